@@ -1,0 +1,14 @@
+"""fusedlayers: fused transformer layers with Triton kernels (CUDA) and PyTorch references (CPU).
+
+Importing the package registers the ops in the ``torch.ops.fusedlayers`` namespace.
+"""
+
+from fusedlayers import qat
+from fusedlayers.backend import current_backend, use_backend
+from fusedlayers.functional import *  # noqa: F403
+from fusedlayers.functional import __all__ as _functional_all
+from fusedlayers.modules import *  # noqa: F403
+from fusedlayers.modules import __all__ as _modules_all
+
+__version__ = "0.1.0"
+__all__ = ["qat", "use_backend", "current_backend", *_functional_all, *_modules_all]

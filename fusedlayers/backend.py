@@ -1,0 +1,80 @@
+"""Backend selection: which implementation an op runs.
+
+- ``auto`` (default): the Triton kernels for CUDA tensors, the PyTorch reference for CPU tensors.
+- ``triton``: the Triton kernels everywhere. CPU tensors need ``TRITON_INTERPRET=1`` set before
+  ``fusedlayers`` is imported (Triton's interpreter; that is how CI tests the kernels).
+- ``reference``: the PyTorch reference everywhere (slow on GPU, but the ground truth).
+
+Choose with ``fl.use_backend(name)`` (a context manager, thread-local) or the environment variable
+``FUSEDLAYERS_BACKEND``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+_state = threading.local()
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend in force: the innermost ``use_backend``, else ``$FUSEDLAYERS_BACKEND``, else auto."""
+    name = getattr(_state, "name", None)
+    if name is None:
+        name = os.environ.get("FUSEDLAYERS_BACKEND", "auto")
+        try:
+            _check_name(name)
+        except ValueError as e:
+            raise ValueError(f"FUSEDLAYERS_BACKEND: {e}") from None
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops inside the ``with`` block on backend ``name`` ("auto" | "triton" | "reference")."""
+    _check_name(name)
+    previous = getattr(_state, "name", None)
+    _state.name = name
+    try:
+        yield
+    finally:
+        _state.name = previous
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True if an op on ``tensor`` should run its Triton kernel, False for the PyTorch reference.
+
+    Raises RuntimeError when the backend asks for Triton where Triton cannot run.
+    """
+    name = current_backend()
+    if name == "reference":
+        return False
+    if name == "auto":
+        return tensor.is_cuda
+    # name == "triton"
+    if tensor.device.type == "cpu" and not triton_interpreter_on():
+        raise RuntimeError(
+            "backend 'triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+            "environment before importing fusedlayers, or use backend 'auto'/'reference' on CPU"
+        )
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"backend 'triton' supports CUDA (and CPU under TRITON_INTERPRET=1), not {tensor.device}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("backend 'triton' needs the triton package (pip install triton)") from e
+    return True

@@ -1,0 +1,1 @@
+"""Quantization-aware training: prepare/convert (see issue 5; not implemented yet)."""
