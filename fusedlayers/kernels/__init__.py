@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers, one module per op (no torch.library code here)."""

@@ -1,0 +1,253 @@
+"""Triton kernels for softmax over the last dim, plain and scaled-masked, forward and backward.
+
+Every kernel sees the input as a 2-D (rows, cols) view with a row stride and a column stride, and
+accumulates in fp32. Two shapes of kernel:
+
+- one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
+  once and written once (2 tensors moved forward, 3 backward).
+- looped: for rows too long for registers. The forward keeps a running max and sum per lane
+  (online softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward
+  sums grad * out in a first sweep and writes the gradient in a second. One program owns one row,
+  so the second sweep re-reads what the first just brought into L2.
+
+The scaled-masked variant computes softmax(x * scale + mask) where the mask is bool (True = keep) or
+additive float, broadcast to the scores through its strides (stride 0 where it broadcasts), and/or
+causal (key j kept for query i when j <= i, top-left as in SDPA). Rows whose every entry is -inf give
+zeros when ZERO_EMPTY_ROWS is set (the masked op), NaN otherwise (plain softmax, as torch does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
+MAX_ONE_PASS_COLS = 16384
+LOOP_BLOCK_N = 4096
+
+
+@triton.jit
+def _scores_tile(
+    x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    """Load a (rows x cols) tile of x and return x * scale with masks applied (fp32, -inf = masked)."""
+    r = rows[:, None]
+    c = cols[None, :]
+    inside = (r < n_rows) & (c < n_cols)
+    q = r % q_len  # query index within its (L, S) matrix
+    if IS_CAUSAL:
+        inside_kept = inside & (c <= q)  # masked-out keys are never read
+    else:
+        inside_kept = inside
+    x = tl.load(x_ptr + r.to(tl.int64) * stride_xr + c * stride_xc, mask=inside_kept, other=0.0)
+    # Padding lanes are -inf whatever the scale (scale may be 0 or negative).
+    z = tl.where(inside_kept, x.to(tl.float32) * scale, float("-inf"))
+    if HAS_MASK:
+        bh = (r // q_len).to(tl.int64)
+        off = (bh // mask_b) * mask_sb + (bh % mask_b) * mask_sh + q * mask_sq + c * mask_sk
+        m = tl.load(mask_ptr + off, mask=inside_kept, other=0)
+        if MASK_IS_BOOL:
+            z = tl.where(m != 0, z, float("-inf"))
+        else:
+            z = z + m.to(tl.float32)
+    return z, inside
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    z, inside = _scores_tile(
+        x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+    )
+    row_max = tl.max(z, axis=1)
+    if ZERO_EMPTY_ROWS:
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    e = tl.exp(z - row_max[:, None])
+    denom = tl.sum(e, axis=1)
+    if ZERO_EMPTY_ROWS:
+        denom = tl.where(denom == 0.0, 1.0, denom)
+    y = e / denom[:, None]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(
+    x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)
+    # Sweep 1: per-lane running max m and sum s of exp(z - m) (online softmax).
+    m = tl.full((1, BLOCK_N), float("-inf"), tl.float32)
+    s = tl.zeros((1, BLOCK_N), tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        z, inside = _scores_tile(
+            x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+        )
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen only -inf keep s = 0 (avoids exp(-inf - -inf) = NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(z - m_safe)
+        m = m_new
+    row_max = tl.max(m, axis=1)
+    if ZERO_EMPTY_ROWS:
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        lane_scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max[:, None]))
+    else:
+        lane_scale = tl.exp(m - row_max[:, None])
+    denom = tl.sum(s * lane_scale, axis=1)
+    if ZERO_EMPTY_ROWS:
+        denom = tl.where(denom == 0.0, 1.0, denom)
+    inv = 1.0 / denom
+    # Sweep 2: write the probabilities.
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        z, inside = _scores_tile(
+            x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+        )
+        y = tl.exp(z - row_max[:, None]) * inv[:, None]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=inside)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = scale * y * (g - sum(g * y)); y is contiguous, g may be strided."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    r = rows[:, None].to(tl.int64)
+    c = cols[None, :]
+    inside = (rows[:, None] < n_rows) & (c < n_cols)
+    y = tl.load(y_ptr + r * n_cols + c, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * stride_gr + c * stride_gc, mask=inside, other=0.0).to(tl.float32)
+    dot = tl.sum(g * y, axis=1)
+    dx = scale * y * (g - dot[:, None])
+    tl.store(dx_ptr + r * n_cols + c, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(
+    g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < n_cols
+        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
+        acc += g * y
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < n_cols
+        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
+        dx = scale * y * (g - dot)
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels: ~4K-16K elements per program."""
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    block_m = max(1, min(16, 2048 // block_n))
+    elements = block_m * block_n
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    return block_m, block_n, num_warps
+
+
+def _mask_args(mask: torch.Tensor | None, rows_shape: tuple[int, ...]):
+    """Strides that index ``mask`` (already expanded to the scores' shape) from a row and a column.
+
+    Rows are numbered over (B, H, L) with B, H the scores' leading dims collapsed to two.
+    """
+    if mask is None:
+        return 1, 0, 0, 0, 0
+    m4 = mask.reshape(-1, rows_shape[-2], *mask.shape[-2:]) if mask.dim() >= 3 else None
+    if m4 is None:  # (L, S) or (S,) scores: no batch dims
+        m2 = mask.reshape(-1, mask.shape[-1]) if mask.dim() else mask.reshape(1, 1)
+        return 1, 0, 0, m2.stride(0), m2.stride(1)
+    return m4.shape[1], m4.stride(0), m4.stride(1), m4.stride(2), m4.stride(3)
+
+
+def softmax_forward(
+    x: torch.Tensor, out_dtype: torch.dtype, scale: float = 1.0, mask: torch.Tensor | None = None,
+    is_causal: bool = False, zero_empty_rows: bool = False, looped: bool | None = None,
+) -> torch.Tensor:
+    """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
+
+    ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
+    floating. ``looped`` forces the long-row kernel (None: chosen from the row length).
+    """
+    n_cols = x.shape[-1]
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2 = x.reshape(-1, n_cols)
+    n_rows = x2.shape[0]
+    q_len = x.shape[-2] if x.dim() >= 2 else 1
+    heads = _mask_args(mask, tuple(x.shape[:-1]) if x.dim() >= 3 else (1, q_len))
+    mask_arg = mask if mask is not None else x2
+    if mask is not None and mask.dtype == torch.bool:
+        mask_arg = mask.view(torch.uint8)
+    common = dict(
+        HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,
+    )
+    args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
+    if looped is None:
+        looped = n_cols > MAX_ONE_PASS_COLS
+    if looped:
+        block_n = min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols))
+        _softmax_fwd_looped_kernel[(n_rows,)](*args, **common, BLOCK_N=block_n, num_warps=8 if block_n >= 2048 else 4)
+    else:
+        block_m, block_n, num_warps = _one_pass_config(n_cols)
+        _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
+        )
+    return y
+
+
+def softmax_backward(
+    grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, looped: bool | None = None
+) -> torch.Tensor:
+    """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``."""
+    n_cols = out.shape[-1]
+    dx = torch.empty(out.shape, dtype=grad_dtype, device=out.device)
+    if dx.numel() == 0:
+        return dx
+    out2 = out.reshape(-1, n_cols)
+    if out2.stride(1) != 1 or out2.stride(0) != n_cols:
+        out2 = out2.contiguous()
+    g2 = grad.reshape(-1, n_cols)
+    n_rows = out2.shape[0]
+    args = (g2, out2, dx, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale))
+    if looped is None:
+        looped = n_cols > MAX_ONE_PASS_COLS
+    if looped:
+        block_n = min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols))
+        _softmax_bwd_looped_kernel[(n_rows,)](*args, BLOCK_N=block_n, num_warps=8 if block_n >= 2048 else 4)
+    else:
+        block_m, block_n, num_warps = _one_pass_config(n_cols)
+        _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
+        )
+    return dx

@@ -1,0 +1,1 @@
+"""torch.library registrations, one module per op (importing registers them)."""
