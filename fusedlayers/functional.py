@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers import _validate as v
-from fusedlayers.ops import softmax as _softmax_ops
+from fusedlayers.ops import softmax as _softmax_ops  # noqa: F401  (registers torch.ops.fusedlayers.softmax*)
 
 __all__ = ["softmax", "scaled_masked_softmax"]
 

@@ -174,18 +174,18 @@ def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def _mask_args(mask: torch.Tensor | None, rows_shape: tuple[int, ...]):
-    """Strides that index ``mask`` (already expanded to the scores' shape) from a row and a column.
+def _mask_view(mask: torch.Tensor, x: torch.Tensor):
+    """``mask`` (expanded to x's shape) as a 4-D (B, H, L, S) view and its strides.
 
-    Rows are numbered over (B, H, L) with B, H the scores' leading dims collapsed to two.
+    Kernel rows are numbered over x's leading dims; row r is query r % L of matrix bh = r // L, with
+    bh = b * H + h. Leading dims beyond two are collapsed, which copies the mask only if its strides
+    do not allow a view.
     """
-    if mask is None:
-        return 1, 0, 0, 0, 0
-    m4 = mask.reshape(-1, rows_shape[-2], *mask.shape[-2:]) if mask.dim() >= 3 else None
-    if m4 is None:  # (L, S) or (S,) scores: no batch dims
-        m2 = mask.reshape(-1, mask.shape[-1]) if mask.dim() else mask.reshape(1, 1)
-        return 1, 0, 0, m2.stride(0), m2.stride(1)
-    return m4.shape[1], m4.stride(0), m4.stride(1), m4.stride(2), m4.stride(3)
+    shape4 = (-1, x.shape[-3] if x.dim() >= 3 else 1, x.shape[-2] if x.dim() >= 2 else 1, x.shape[-1])
+    m4 = mask.reshape(shape4)
+    if m4.dtype == torch.bool:
+        m4 = m4.view(torch.uint8)
+    return m4, (m4.shape[1], *m4.stride())
 
 
 def softmax_forward(
@@ -204,10 +204,7 @@ def softmax_forward(
     x2 = x.reshape(-1, n_cols)
     n_rows = x2.shape[0]
     q_len = x.shape[-2] if x.dim() >= 2 else 1
-    heads = _mask_args(mask, tuple(x.shape[:-1]) if x.dim() >= 3 else (1, q_len))
-    mask_arg = mask if mask is not None else x2
-    if mask is not None and mask.dtype == torch.bool:
-        mask_arg = mask.view(torch.uint8)
+    mask_arg, heads = _mask_view(mask, x) if mask is not None else (x2, (1, 0, 0, 0, 0))
     common = dict(
         HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
         IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,

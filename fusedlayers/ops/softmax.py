@@ -142,7 +142,8 @@ def _scaled_masked_autograd(ctx, grad):
         grad_scores = softmax_backward(grad, out, ctx.scale, ctx.scores_dtype)
     if ctx.needs_input_grad[2]:  # an additive float mask that requires grad
         mask_shape, mask_dtype = ctx.mask_meta
-        grad_mask = softmax_backward(grad, out, 1.0, torch.float32).sum_to_size(mask_shape).to(mask_dtype)
+        dz = softmax_backward(grad, out, 1.0, torch.promote_types(grad.dtype, mask_dtype))
+        grad_mask = dz.sum_to_size(mask_shape).to(mask_dtype)
     return grad_scores, None, grad_mask, None
 
 

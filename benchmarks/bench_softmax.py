@@ -1,0 +1,179 @@
+"""Benchmark fl.softmax and fl.scaled_masked_softmax against torch, torch.compile and Liger-Kernel (GPU).
+
+Memory-bound: reports TB/s and the fraction of a device-to-device copy measured in the same run.
+Bytes counted: forward 2 tensors (read x, write y), forward+backward 5 (+ read grad, read y, write dx).
+
+    python benchmarks/bench_softmax.py [--out benchmarks/results/<device>-softmax.md] [--tune]
+
+Liger-Kernel is optional (carried as a wheel to the lent GPU); its column is skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import fusedlayers as fl
+from fusedlayers.kernels import softmax as kernels
+
+TENSOR_BYTES = 256 * 2**20
+COLS = [1024, 4096, 16384, 65536]
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def fraction(n_tensors: int, ms: float, copy_bw: float) -> float:
+    return n_tensors * TENSOR_BYTES / (ms * 1e-3) / copy_bw
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a device-to-device copy of a 256 MiB tensor."""
+    src = torch.randn(TENSOR_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * TENSOR_BYTES / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def forward_backward(f, x, grad):
+    def run():
+        (dx,) = torch.autograd.grad(f(x), x, grad)
+        return dx
+
+    return run
+
+
+def softmax_peers():
+    peers = {
+        "fused": lambda x: fl.softmax(x, -1),
+        "torch": lambda x: torch.softmax(x, -1),
+        "compile": torch.compile(lambda x: torch.softmax(x, -1), dynamic=False),
+    }
+    try:
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+        peers["liger"] = LigerSoftmaxFunction.apply
+    except ImportError:
+        print("liger_kernel not installed: no Liger column")
+    return peers
+
+
+def bench_softmax(copy_bw: float) -> list[dict]:
+    rows = []
+    for n_cols in COLS:
+        x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
+        x.requires_grad_()
+        grad = torch.randn_like(x)
+        for name, f in softmax_peers().items():
+            for mode, n_tensors, fn in (("fwd", 2, lambda f=f: f(x)), ("fwd+bwd", 5, forward_backward(f, x, grad))):
+                ms = median_ms(fn)
+                bw = n_tensors * TENSOR_BYTES / (ms * 1e-3)
+                rows.append(dict(op="softmax", cols=n_cols, mode=mode, impl=name, ms=ms, tbs=bw / 1e12,
+                                 frac=bw / copy_bw))
+    return rows
+
+
+def stock_masked(scores, scale, keep):
+    return (scores * scale).masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+def bench_masked(copy_bw: float) -> list[dict]:
+    """Causal scaled-masked softmax on (B*H, L, L) bf16 scores of 256 MiB."""
+    rows = []
+    compiled = torch.compile(stock_masked, dynamic=False)
+    for seq in (1024, 4096):
+        scores = torch.randn(TENSOR_BYTES // (2 * seq * seq), seq, seq, device="cuda", dtype=torch.bfloat16)
+        scores.requires_grad_()
+        grad = torch.randn_like(scores)
+        keep = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+        impls = {
+            "fused": lambda s: fl.scaled_masked_softmax(s, 0.125, is_causal=True),
+            "torch": lambda s: stock_masked(s, 0.125, keep),
+            "compile": lambda s: compiled(s, 0.125, keep),
+        }
+        for name, f in impls.items():
+            for mode, n_tensors, fn in (("fwd", 2, lambda f=f: f(scores)),
+                                        ("fwd+bwd", 5, forward_backward(f, scores, grad))):
+                ms = median_ms(fn)
+                bw = n_tensors * TENSOR_BYTES / (ms * 1e-3)
+                rows.append(dict(op="causal masked", cols=seq, mode=mode, impl=name, ms=ms, tbs=bw / 1e12,
+                                 frac=bw / copy_bw))
+    return rows
+
+
+def tune(copy_bw: float) -> None:
+    """Try one-pass configs and the looped kernel per row length; prints fraction of copy bandwidth."""
+    original = kernels._one_pass_config
+    for n_cols in (1024, 4096, 16384, 32768, 65536):
+        x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
+        y = torch.softmax(x, -1)
+        g = torch.randn_like(x)
+        block_n = triton.next_power_of_2(n_cols)
+        configs = [(m, w) for m in (1, 2, 4, 8) for w in (4, 8, 16, 32) if m * block_n <= 65536]
+        for block_m, warps in configs:
+            kernels._one_pass_config = lambda n, c=(block_m, block_n, warps): c
+            try:
+                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=False))
+                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=False))
+            except Exception as e:  # out of resources at large tiles
+                print(f"tune cols={n_cols} one-pass m={block_m} w={warps}: {type(e).__name__}")
+                continue
+            print(f"tune cols={n_cols} one-pass m={block_m:2d} w={warps:2d}: "
+                  f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
+        kernels._one_pass_config = original
+        for loop_block in (1024, 2048, 4096, 8192):
+            kernels.LOOP_BLOCK_N = loop_block
+            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=True))
+            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=True))
+            print(f"tune cols={n_cols} looped block={loop_block}: "
+                  f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
+        kernels.LOOP_BLOCK_N = 4096
+
+
+def table(rows: list[dict], copy_bw: float) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    head = "| op | cols | pass | " + " | ".join(f"{i} TB/s (copy frac)" for i in impls) + " | fused / best peer |"
+    lines = [head, "|" + "---|" * (impls.__len__() + 4)]
+    keys = list(dict.fromkeys((r["op"], r["cols"], r["mode"]) for r in rows))
+    for key in keys:
+        cells = {r["impl"]: r for r in rows if (r["op"], r["cols"], r["mode"]) == key}
+        best_peer = min(r["ms"] for i, r in cells.items() if i != "fused")
+        line = f"| {key[0]} | {key[1]} | {key[2]} | "
+        line += " | ".join(f"{cells[i]['tbs']:.2f} ({cells[i]['frac']:.0%})" if i in cells else "-" for i in impls)
+        line += f" | {best_peer / cells['fused']['ms']:.2f}x |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="write the Markdown table here")
+    parser.add_argument("--tune", action="store_true", help="also sweep kernel configs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    if args.tune:
+        tune(copy_bw)
+    rows = bench_softmax(copy_bw) + bench_masked(copy_bw)
+    header = (
+        f"# softmax — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"python {platform.python_version()}. bf16, 256 MiB per tensor; device-to-device copy "
+        f"{copy_bw / 1e12:.2f} TB/s (read + write) measured in the same run. do_bench median.\n"
+        "Bytes: fwd 2 tensors, fwd+bwd 5. 'causal masked' is softmax(scores*0.125) with a causal mask on "
+        "(N, L, L) scores, cols = L; the torch peer is (scores*scale).masked_fill(~mask, -inf).softmax(-1).\n\n"
+    )
+    text = header + table(rows, copy_bw) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""fl.softmax and fl.scaled_masked_softmax: parity with torch, gradients, registration, compile, errors.
+
+The reference backend runs on CPU tensors by default; `triton` runs the kernels (under the interpreter
+on CPU, compiled on GPU for the `cuda`-marked tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import fusedlayers as fl
+from fusedlayers.kernels import softmax as kernels
+from tests.parity import assert_parity
+
+SHAPES = [(7,), (3, 17), (2, 5, 33), (2, 3, 4, 129), (1, 1000), (5, 2049)]
+LOW_PRECISION = {torch.float16, torch.bfloat16}
+
+
+def _check_softmax(x: torch.Tensor, dim: int, dtype=None) -> None:
+    """Output and input gradient of fl.softmax vs torch.softmax vs the float64 reference."""
+    fused_in = x.detach().clone().requires_grad_()
+    stock_in = x.detach().clone().requires_grad_()
+    ref_in = x.detach().double().requires_grad_()
+    fused = fl.softmax(fused_in, dim, dtype=dtype)
+    stock = torch.softmax(stock_in, dim, dtype=dtype)
+    ref = torch.softmax(ref_in, dim)
+    assert_parity(fused, stock, ref, "output")
+    grad = torch.randn_like(stock)
+    fused.backward(grad)
+    stock.backward(grad)
+    ref.backward(grad.double())
+    assert_parity(fused_in.grad, stock_in.grad, ref_in.grad, "grad input")
+    assert fused_in.grad.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_softmax_reference_every_dim(shape, dtype):
+    x = torch.randn(shape, dtype=dtype) * 3
+    for dim in range(-len(shape), len(shape)):
+        _check_softmax(x, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 17), (2, 5, 33), (4, 130), (2, 3, 1025)])
+def test_softmax_triton_kernel(shape, dtype):
+    x = torch.randn(shape, dtype=dtype) * 3
+    with fl.use_backend("triton"):
+        for dim in range(len(shape)):
+            _check_softmax(x, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softmax_triton_long_rows(dtype):
+    """Rows past MAX_ONE_PASS_COLS run the looped (online) kernels, forward and backward."""
+    x = torch.randn(3, 65536 + 123, dtype=dtype) * 4
+    with fl.use_backend("triton"):
+        _check_softmax(x, -1)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_softmax_kernels_direct(monkeypatch, looped):
+    """Both kernel shapes on odd sizes, several loop trips for the looped one (small blocks)."""
+    monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 16)
+    for n in (1, 5, 16, 47, 100):
+        x = torch.randn(7, n) * 5
+        y = kernels.softmax_forward(x, torch.float32, looped=looped)
+        torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+        g = torch.randn(7, n)
+        dx = kernels.softmax_backward(g, y, 0.5, torch.float32, looped=looped)
+        torch.testing.assert_close(dx, 0.5 * y * (g - (g * y).sum(-1, keepdim=True)), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_softmax_non_contiguous(backend):
+    base = torch.randn(6, 40, 9)
+    views = [base.transpose(0, 1), base[:, ::3], base[..., 1:8], base.permute(2, 0, 1)]
+    with fl.use_backend(backend):
+        for x in views:
+            assert not x.is_contiguous()
+            for dim in range(3):
+                _check_softmax(x, dim)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_softmax_empty_and_scalar(backend):
+    with fl.use_backend(backend):
+        for shape, dim in [((0, 5), 1), ((4, 0), 1), ((4, 0), 0), ((2, 0, 3), 2)]:
+            x = torch.randn(shape, requires_grad=True)
+            y = fl.softmax(x, dim)
+            assert y.shape == x.shape
+            y.sum().backward()
+            assert x.grad.shape == x.shape
+        s = torch.tensor(3.0)
+        assert fl.softmax(s, 0).item() == torch.softmax(s, 0).item() == 1.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_softmax_dtype_argument(backend):
+    with fl.use_backend(backend):
+        for in_dtype, out_dtype in [(torch.float16, torch.float32), (torch.float32, torch.float16),
+                                    (torch.float16, torch.float16), (torch.float32, torch.float64)]:
+            x = torch.randn(4, 37, dtype=in_dtype)
+            y = fl.softmax(x, -1, dtype=out_dtype)
+            assert y.dtype == out_dtype
+            _check_softmax(x, -1, dtype=out_dtype)
+        ints = torch.randint(-5, 5, (3, 8))
+        expected = torch.softmax(ints, 1, dtype=torch.float32)
+        torch.testing.assert_close(fl.softmax(ints, 1, dtype=torch.float32), expected)
+
+
+def test_softmax_matches_torch_on_special_values():
+    x = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf")] * 3, [1.0, float("nan"), 2.0]])
+    for backend in ("reference", "triton"):
+        with fl.use_backend(backend):
+            torch.testing.assert_close(fl.softmax(x), torch.softmax(x, -1), equal_nan=True)
+
+
+def test_softmax_leaves_input_unchanged():
+    x = torch.randn(4, 50, requires_grad=True)
+    before = x.detach().clone()
+    for backend in ("reference", "triton"):
+        with fl.use_backend(backend):
+            fl.softmax(x).sum().backward()
+    assert torch.equal(x.detach(), before)
+
+
+def test_softmax_saves_output_not_input():
+    """Autograd holds the output (shared with the caller's tensor), not the input."""
+    x = torch.randn(4, 9, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fl.softmax(x)
+    assert len(saved) == 1 and saved[0].data_ptr() == y.data_ptr()
+
+
+# ----------------------------------------------------------------------------- scaled masked softmax
+
+
+def _stock_masked(scores, scale, mask, is_causal):
+    """What users write in torch: scale, mask, softmax (in scores' dtype)."""
+    z = scores * scale
+    if is_causal:
+        keep = torch.ones(z.shape[-2], z.shape[-1], dtype=torch.bool, device=z.device).tril()
+        z = z.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        z = z.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else z + mask
+    return z.softmax(-1)
+
+
+def _check_masked(scores, scale, mask, is_causal):
+    fused_in = scores.detach().clone().requires_grad_()
+    stock_in = scores.detach().clone().requires_grad_()
+    ref_in = scores.detach().double().requires_grad_()
+    ref_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    fused = fl.scaled_masked_softmax(fused_in, scale, mask, is_causal)
+    stock = _stock_masked(stock_in, scale, mask, is_causal)
+    ref = _stock_masked(ref_in, scale, ref_mask, is_causal)
+    assert_parity(fused, stock, ref, "output")
+    grad = torch.randn_like(stock)
+    fused.backward(grad)
+    stock.backward(grad)
+    ref.backward(grad.double())
+    assert_parity(fused_in.grad, stock_in.grad, ref_in.grad, "grad scores")
+
+
+def _keep_diagonal(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask with every row keeping at least one key (so stock torch gives no NaN)."""
+    return mask | torch.eye(mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device)
+
+
+MASK_CASES = [  # (scores shape, mask shape or None)
+    ((2, 3, 5, 7), None),
+    ((2, 3, 9, 9), (9, 9)),
+    ((2, 3, 6, 11), (2, 1, 6, 11)),
+    ((2, 3, 6, 11), (1, 3, 1, 11)),
+    ((4, 10, 33), (10, 33)),
+    ((10, 130), (10, 130)),
+    ((2, 2, 3, 5, 17), (2, 1, 5, 17)),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_scaled_masked_softmax(backend, dtype, case):
+    if backend == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter is exercised in fp32/fp16; bf16 kernels run in the cuda tests")
+    shape, mask_shape = case
+    scores = torch.randn(shape, dtype=dtype) * 2
+    with fl.use_backend(backend):
+        for is_causal in (False, True):
+            if mask_shape is None:
+                _check_masked(scores, 0.37, None, is_causal)
+                continue
+            bool_mask = _keep_diagonal(torch.rand(mask_shape) > 0.4)
+            float_mask = torch.randn(mask_shape, dtype=dtype)
+            _check_masked(scores, 0.37, bool_mask, is_causal)
+            _check_masked(scores, -1.5, float_mask, is_causal)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scaled_masked_softmax_long_rows_looped(backend, monkeypatch):
+    monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 64)
+    monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 32)
+    scores = torch.randn(2, 2, 70, 150)
+    mask = _keep_diagonal(torch.rand(70, 150) > 0.5)
+    with fl.use_backend(backend):
+        _check_masked(scores, 0.5, mask, True)
+        _check_masked(scores, 0.5, torch.randn(2, 1, 70, 150), False)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("looped", [False, True])
+def test_fully_masked_rows_give_zeros(backend, looped, monkeypatch):
+    if looped:
+        monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 8)
+    scores = torch.randn(2, 6, 20, requires_grad=True)
+    mask = torch.rand(6, 20) > 0.5
+    mask[1] = False  # row 1 masks every key
+    float_mask = torch.zeros(6, 20)
+    float_mask[3] = float("-inf")
+    with fl.use_backend(backend):
+        for m in (mask, float_mask):
+            scores.grad = None
+            y = fl.scaled_masked_softmax(scores, 1.0, m)
+            dead = 1 if m.dtype == torch.bool else 3
+            assert not y.isnan().any()
+            assert torch.equal(y[:, dead], torch.zeros_like(y[:, dead]))
+            live = [r for r in range(6) if r != dead]
+            torch.testing.assert_close(y[:, live].sum(-1), torch.ones(2, 5))
+            y.backward(torch.randn_like(y))
+            assert not scores.grad.isnan().any()
+            assert torch.equal(scores.grad[:, dead], torch.zeros_like(scores.grad[:, dead]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scaled_masked_softmax_float_mask_gradient(backend):
+    scores = torch.randn(2, 3, 5, 8, dtype=torch.float64 if backend == "reference" else torch.float32)
+    mask = torch.randn(3, 1, 8, dtype=scores.dtype, requires_grad=True)
+    ref_mask = mask.detach().double().requires_grad_()
+    with fl.use_backend(backend):
+        y = fl.scaled_masked_softmax(scores, 0.7, mask, True)
+    ref = _stock_masked(scores.double(), 0.7, ref_mask, True)
+    g = torch.randn_like(ref)
+    y.backward(g.to(y.dtype))
+    ref.backward(g)
+    torch.testing.assert_close(mask.grad.double(), ref_mask.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_scaled_masked_softmax_scale_zero_and_non_contiguous():
+    scores = torch.randn(3, 8, 5).transpose(1, 2)
+    with fl.use_backend("triton"):
+        y = fl.scaled_masked_softmax(scores, 0.0, is_causal=True)
+    expected = _stock_masked(scores, 0.0, None, True)
+    torch.testing.assert_close(y, expected)
+
+
+# ----------------------------------------------------------------------------- autograd machinery
+
+
+def test_gradcheck_and_gradgradcheck():
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(4, 6) > 0.3
+    fmask = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    for dim in (0, 1, 2):
+        f = lambda t, d=dim: fl.softmax(t, d)  # noqa: E731
+        assert torch.autograd.gradcheck(f, (x,))
+        assert torch.autograd.gradgradcheck(f, (x,))
+    g = lambda t, m: fl.scaled_masked_softmax(t, 0.8, m, True)  # noqa: E731
+    assert torch.autograd.gradcheck(lambda t: g(t, mask), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: g(t, mask), (x,))
+    assert torch.autograd.gradcheck(g, (x, fmask))
+    assert torch.autograd.gradgradcheck(g, (x, fmask))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_opcheck(backend):
+    ops = torch.ops.fusedlayers
+    x = torch.randn(3, 5, 17, requires_grad=True)
+    y = torch.softmax(x.detach(), -1)
+    mask = torch.rand(5, 17) > 0.3
+    samples = [
+        (ops.softmax.default, (x, None)),
+        (ops.softmax.default, (x.detach().half().requires_grad_(), torch.float32)),
+        (ops.scaled_masked_softmax.default, (x, 0.5, mask, True)),
+        (ops.scaled_masked_softmax.default, (x, 0.5, torch.randn(3, 1, 17, requires_grad=True), False)),
+        (ops.scaled_masked_softmax.default, (x, 1.0, None, False)),
+        (ops.softmax_backward.default, (torch.randn(3, 5, 17, requires_grad=True), y.requires_grad_(), 0.5,
+                                        torch.float32)),
+    ]
+    with fl.use_backend(backend):
+        for op, args in samples:
+            opcheck(op, args)
+
+
+def test_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+
+    def f(x, mask):
+        return (fl.softmax(x, 1) * fl.scaled_masked_softmax(x, 0.5, mask, is_causal=True)).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    x = torch.randn(2, 8, 8, requires_grad=True)
+    mask = torch.rand(8, 8) > 0.2
+    loss = compiled(x, mask)
+    (grad,) = torch.autograd.grad(loss, x)
+    x2 = x.detach().clone().requires_grad_()
+    loss2 = f(x2, mask)
+    (grad2,) = torch.autograd.grad(loss2, x2)
+    torch.testing.assert_close(loss, loss2)
+    torch.testing.assert_close(grad, grad2)
+
+
+def test_inductor_code_calls_our_ops():
+    """The compiled view: Inductor keeps our ops as opaque extern calls (custom_op), forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+
+    def f(x):
+        return fl.softmax(x * 2.0, -1).sum()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    _, codes = run_and_get_code(lambda: torch.autograd.grad(torch.compile(f, fullgraph=True)(x), x))
+    code = "\n".join(codes)
+    assert "torch.ops.fusedlayers.softmax.default(" in code
+    assert "torch.ops.fusedlayers.softmax_backward.default(" in code
+
+
+def test_autocast_cpu_bf16():
+    a = torch.randn(4, 16)
+    b = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = a @ b
+        fused = fl.softmax(scores)
+        stock = torch.softmax(scores, -1)
+        masked = fl.scaled_masked_softmax(scores, 0.5, is_causal=True)
+    assert fused.dtype == stock.dtype == masked.dtype == torch.bfloat16
+    torch.testing.assert_close(fused, stock)
+
+
+# ----------------------------------------------------------------------------- errors and the module
+
+
+@pytest.mark.parametrize(
+    "call, error, name",
+    [
+        (lambda: fl.softmax(torch.randn(2, 3), dim=2), ValueError, "dim"),
+        (lambda: fl.softmax(torch.randn(2, 3), dim=-3), ValueError, "dim"),
+        (lambda: fl.softmax(torch.randn(2, 3), dim=1.0), TypeError, "dim"),
+        (lambda: fl.softmax(torch.arange(6).reshape(2, 3)), TypeError, "input"),
+        (lambda: fl.softmax(torch.randn(2, 3), dtype=torch.int32), TypeError, "dtype"),
+        (lambda: fl.softmax([1.0, 2.0]), TypeError, "input"),
+        (lambda: fl.scaled_masked_softmax(torch.arange(6).reshape(2, 3)), TypeError, "scores"),
+        (lambda: fl.scaled_masked_softmax(torch.randn(2, 3), attn_mask=torch.ones(4, 3, dtype=torch.bool)),
+         ValueError, "attn_mask"),
+        (lambda: fl.scaled_masked_softmax(torch.randn(2, 3), attn_mask=torch.ones(2, 2, 3, dtype=torch.bool)),
+         ValueError, "attn_mask"),
+        (lambda: fl.scaled_masked_softmax(torch.randn(2, 3), attn_mask=torch.ones(2, 3, dtype=torch.int64)),
+         TypeError, "attn_mask"),
+        (lambda: fl.scaled_masked_softmax(torch.randn(2, 3), scale=torch.tensor(1.0)), TypeError, "scale"),
+        (lambda: fl.scaled_masked_softmax(torch.randn(3), is_causal=True), ValueError, "is_causal"),
+    ],
+)
+def test_bad_input_names_the_argument(call, error, name):
+    with pytest.raises(error, match=name):
+        call()
+
+
+def test_softmax_module_is_a_drop_in():
+    x = torch.randn(3, 4, 5)
+    for dim in (0, 1, 2, -1):
+        fused, stock = fl.Softmax(dim), torch.nn.Softmax(dim)
+        torch.testing.assert_close(fused(x), stock(x))
+        assert fused.state_dict().keys() == stock.state_dict().keys()
+        assert repr(fused).endswith(f"(dim={dim})")
+    with pytest.warns(UserWarning, match="Implicit dimension"):
+        implicit = fl.Softmax()(x)
+    with pytest.warns(UserWarning):
+        torch.testing.assert_close(implicit, torch.nn.Softmax()(x))
+
+
+# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_cols", [1, 77, 1024, 4099, 16384, 16385, 65536, 100003])
+def test_cuda_softmax(dtype, n_cols):
+    x = torch.randn(37, n_cols, device="cuda", dtype=dtype) * 4
+    _check_softmax(x, -1)
+    _check_softmax(x[:, : max(1, n_cols // 2)], -1)  # strided rows
+    if n_cols <= 4099:
+        _check_softmax(x, 0)  # transposed access
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", MASK_CASES + [((2, 4, 300, 20000), (300, 20000))])
+def test_cuda_scaled_masked_softmax(dtype, case):
+    shape, mask_shape = case
+    scores = torch.randn(shape, dtype=dtype, device="cuda") * 2
+    for is_causal in (False, True):
+        mask = None
+        if mask_shape is not None:
+            mask = _keep_diagonal(torch.rand(mask_shape) > 0.4).cuda()
+        _check_masked(scores, 0.125, mask, is_causal)
+        if mask_shape is not None:
+            _check_masked(scores, 0.125, torch.randn(mask_shape, dtype=dtype, device="cuda"), is_causal)
+
+
+@pytest.mark.cuda
+def test_cuda_fully_masked_rows_and_autocast():
+    scores = torch.randn(2, 6, 20, device="cuda", requires_grad=True)
+    mask = torch.rand(6, 20, device="cuda") > 0.5
+    mask[2] = False
+    y = fl.scaled_masked_softmax(scores, 1.0, mask)
+    y.backward(torch.randn_like(y))
+    assert not y.isnan().any() and (y[:, 2] == 0).all() and (scores.grad[:, 2] == 0).all()
+    a = torch.randn(8, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        s = a @ a.T
+        assert fl.softmax(s).dtype == torch.softmax(s, -1).dtype == torch.float32
+        assert fl.scaled_masked_softmax(s, 0.5, is_causal=True).dtype == torch.float32
+
+
+@pytest.mark.cuda
+def test_cuda_compile_and_opcheck():
+    torch._dynamo.reset()
+    x = torch.randn(4, 64, 300, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    f = lambda t: fl.scaled_masked_softmax(fl.softmax(t, 1), 2.0, is_causal=True).float().square().sum()  # noqa: E731
+    (g1,) = torch.autograd.grad(torch.compile(f, fullgraph=True)(x), x)
+    (g2,) = torch.autograd.grad(f(x), x)
+    torch.testing.assert_close(g1, g2)
+    opcheck(torch.ops.fusedlayers.softmax.default, (x, torch.float32))
+    opcheck(torch.ops.fusedlayers.scaled_masked_softmax.default, (x, 0.5, None, True))
