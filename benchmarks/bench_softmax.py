@@ -107,32 +107,30 @@ def bench_masked(copy_bw: float) -> list[dict]:
 
 
 def tune(copy_bw: float) -> None:
-    """Try one-pass configs and the looped kernel per row length; prints fraction of copy bandwidth."""
+    """Sweep kernel configs per row length; prints the fraction of copy bandwidth, forward and backward."""
     original = kernels._one_pass_config
-    for n_cols in (1024, 4096, 16384, 32768, 65536):
+    loop_defaults = (kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM)
+    for n_cols in (16384, 32768, 65536, 262144):
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-        block_n = triton.next_power_of_2(n_cols)
-        configs = [(m, w) for m in (1, 2, 4, 8) for w in (4, 8, 16, 32) if m * block_n <= 65536]
-        for block_m, warps in configs:
-            kernels._one_pass_config = lambda n, c=(block_m, block_n, warps): c
-            try:
-                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=False))
-                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=False))
-            except Exception as e:  # out of resources at large tiles
-                print(f"tune cols={n_cols} one-pass m={block_m} w={warps}: {type(e).__name__}")
-                continue
-            print(f"tune cols={n_cols} one-pass m={block_m:2d} w={warps:2d}: "
-                  f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
-        kernels._one_pass_config = original
-        for loop_block in (1024, 2048, 4096, 8192):
-            kernels.LOOP_BLOCK_N = loop_block
-            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=True))
-            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=True))
-            print(f"tune cols={n_cols} looped block={loop_block}: "
-                  f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
-        kernels.LOOP_BLOCK_N = 4096
+
+        def measure(label, looped):
+            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=looped))
+            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=looped))
+            print(f"tune cols={n_cols} {label}: fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
+
+        if n_cols <= 32768:
+            for warps in (16, 32):
+                kernels._one_pass_config = lambda n, w=warps: (1, triton.next_power_of_2(n), w)
+                measure(f"one-pass w={warps}", False)
+            kernels._one_pass_config = original
+        for block_n in (2048, 4096, 8192):
+            for warps in (8, 16):
+                for per_sm in (1, 2, 4):
+                    kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM = block_n, warps, per_sm
+                    measure(f"looped block={block_n} w={warps} per_sm={per_sm}", True)
+        kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM = loop_defaults
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

@@ -18,13 +18,18 @@ zeros when ZERO_EMPTY_ROWS is set (the masked op), NaN otherwise (plain softmax,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 # Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
 MAX_ONE_PASS_COLS = 16384
+# Looped kernels: columns per sweep step, warps, and programs per SM of the persistent grid.
 LOOP_BLOCK_N = 4096
+LOOP_WARPS = 16
+LOOP_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -87,7 +92,23 @@ def _softmax_fwd_looped_kernel(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    # Persistent: a few programs per SM walk the rows, so the rows in flight fit in L2 and sweep 2
+    # re-reads from L2 what sweep 1 brought in (HBM traffic stays near 2 tensors, not 3).
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        _softmax_fwd_looped_row(
+            x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
+            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N,
+        )
+
+
+@triton.jit
+def _softmax_fwd_looped_row(
+    x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
     rows = row + tl.arange(0, 1)
     # Sweep 1: per-lane running max m and sum s of exp(z - m) (online softmax).
     m = tl.full((1, BLOCK_N), float("-inf"), tl.float32)
@@ -147,7 +168,13 @@ def _softmax_bwd_kernel(
 def _softmax_bwd_looped_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):  # persistent, as the forward
+        _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N)
+
+
+@triton.jit
+def _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr):
+    row = (row + tl.arange(0, 1)).to(tl.int64)  # a (1,) int64 tensor: 64-bit offsets below
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -165,12 +192,25 @@ def _softmax_bwd_looped_kernel(
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one after another anyway
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _looped_launch(n_rows: int, n_cols: int, device: torch.device):
+    """(grid, BLOCK_N, num_warps) for the persistent looped kernels."""
+    grid = (min(n_rows, _multiprocessors(device) * LOOP_PROGRAMS_PER_SM),)
+    return grid, min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols)), LOOP_WARPS
+
+
 def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels: ~4K-16K elements per program."""
     block_n = triton.next_power_of_2(max(n_cols, 1))
     block_m = max(1, min(16, 2048 // block_n))
     elements = block_m * block_n
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 32  # measured best on H200
     return block_m, block_n, num_warps
 
 
@@ -213,8 +253,8 @@ def softmax_forward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        block_n = min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols))
-        _softmax_fwd_looped_kernel[(n_rows,)](*args, **common, BLOCK_N=block_n, num_warps=8 if block_n >= 2048 else 4)
+        grid, block_n, num_warps = _looped_launch(n_rows, n_cols, x.device)
+        _softmax_fwd_looped_kernel[grid](*args, **common, BLOCK_N=block_n, num_warps=num_warps)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
@@ -240,8 +280,8 @@ def softmax_backward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        block_n = min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols))
-        _softmax_bwd_looped_kernel[(n_rows,)](*args, BLOCK_N=block_n, num_warps=8 if block_n >= 2048 else 4)
+        grid, block_n, num_warps = _looped_launch(n_rows, n_cols, out.device)
+        _softmax_bwd_looped_kernel[grid](*args, BLOCK_N=block_n, num_warps=num_warps)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
