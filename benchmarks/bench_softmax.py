@@ -109,28 +109,44 @@ def bench_masked(copy_bw: float) -> list[dict]:
 def tune(copy_bw: float) -> None:
     """Sweep kernel configs per row length; prints the fraction of copy bandwidth, forward and backward."""
     original = kernels._one_pass_config
-    loop_defaults = (kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM)
-    for n_cols in (16384, 32768, 65536, 262144):
+    knobs = ("LOOP_BLOCK_N", "LOOP_WARPS", "LOOP_PROGRAMS_PER_SM", "LOOP_STAGES")
+    defaults = {k: getattr(kernels, k) for k in knobs}
+    for n_cols in (4096, 16384, 32768, 65536, 131072):
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
 
         def measure(label, looped):
-            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=looped))
-            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=looped))
+            try:
+                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=looped))
+                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=looped))
+            except Exception as e:  # e.g. out of shared memory
+                print(f"tune cols={n_cols} {label}: {type(e).__name__}")
+                return
             print(f"tune cols={n_cols} {label}: fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
 
-        if n_cols <= 32768:
+        if n_cols <= 16384:  # is the autograd path (Python dispatch) slower than its two kernels?
+            xr = x.detach().requires_grad_()
+            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype))
+            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype))
+            a = median_ms(forward_backward(lambda t: fl.softmax(t, -1), xr, g))
+            print(f"tune cols={n_cols} kernels fwd {f:.3f} + bwd {b:.3f} = {f + b:.3f} ms; autograd fwd+bwd {a:.3f} ms")
+            continue
+        if n_cols <= 65536:
             for warps in (16, 32):
                 kernels._one_pass_config = lambda n, w=warps: (1, triton.next_power_of_2(n), w)
                 measure(f"one-pass w={warps}", False)
             kernels._one_pass_config = original
-        for block_n in (2048, 4096, 8192):
-            for warps in (8, 16):
-                for per_sm in (1, 2, 4):
-                    kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM = block_n, warps, per_sm
-                    measure(f"looped block={block_n} w={warps} per_sm={per_sm}", True)
-        kernels.LOOP_BLOCK_N, kernels.LOOP_WARPS, kernels.LOOP_PROGRAMS_PER_SM = loop_defaults
+        for block_n in (8192, 16384):
+            for warps in (16, 32):
+                for per_sm in (0, 1, 2):
+                    for stages in (1, 3):
+                        config = dict(zip(knobs, (block_n, warps, per_sm, stages), strict=True))
+                        for k, v in config.items():
+                            setattr(kernels, k, v)
+                        measure(f"looped block={block_n} w={warps} per_sm={per_sm} stages={stages}", True)
+        for k, v in defaults.items():
+            setattr(kernels, k, v)
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

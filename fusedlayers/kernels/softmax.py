@@ -29,7 +29,8 @@ MAX_ONE_PASS_COLS = 16384
 # Looped kernels: columns per sweep step, warps, and programs per SM of the persistent grid.
 LOOP_BLOCK_N = 4096
 LOOP_WARPS = 16
-LOOP_PROGRAMS_PER_SM = 1
+LOOP_PROGRAMS_PER_SM = 1  # 0: one program per row (no persistence)
+LOOP_STAGES = 1  # software-pipelining depth of the sweeps (loads issued ahead of use)
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _softmax_fwd_looped_kernel(
     x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent: a few programs per SM walk the rows, so the rows in flight fit in L2 and sweep 2
     # re-reads from L2 what sweep 1 brought in (HBM traffic stays near 2 tensors, not 3).
@@ -98,7 +99,7 @@ def _softmax_fwd_looped_kernel(
         _softmax_fwd_looped_row(
             x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N,
+            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N, STAGES,
         )
 
 
@@ -107,13 +108,13 @@ def _softmax_fwd_looped_row(
     x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     rows = row + tl.arange(0, 1)
     # Sweep 1: per-lane running max m and sum s of exp(z - m) (online softmax).
     m = tl.full((1, BLOCK_N), float("-inf"), tl.float32)
     s = tl.zeros((1, BLOCK_N), tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
@@ -135,7 +136,7 @@ def _softmax_fwd_looped_row(
         denom = tl.where(denom == 0.0, 1.0, denom)
     inv = 1.0 / denom
     # Sweep 2: write the probabilities.
-    for start in range(0, n_cols, BLOCK_N):
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
@@ -166,24 +167,26 @@ def _softmax_bwd_kernel(
 
 @triton.jit
 def _softmax_bwd_looped_kernel(
-    g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr,
+    g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):  # persistent, as the forward
-        _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N)
+        _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N, STAGES)
 
 
 @triton.jit
-def _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr):
+def _softmax_bwd_looped_row(
+    g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr, STAGES: tl.constexpr
+):
     row = (row + tl.arange(0, 1)).to(tl.int64)  # a (1,) int64 tensor: 64-bit offsets below
     acc = tl.zeros((BLOCK_N,), tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
         y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
         acc += g * y
     dot = tl.sum(acc, axis=0)
-    for start in range(0, n_cols, BLOCK_N):
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
         y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
@@ -201,7 +204,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _looped_launch(n_rows: int, n_cols: int, device: torch.device):
     """(grid, BLOCK_N, num_warps) for the persistent looped kernels."""
-    grid = (min(n_rows, _multiprocessors(device) * LOOP_PROGRAMS_PER_SM),)
+    programs = _multiprocessors(device) * LOOP_PROGRAMS_PER_SM
+    grid = (min(n_rows, programs) if programs else n_rows,)
     return grid, min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols)), LOOP_WARPS
 
 
@@ -254,7 +258,7 @@ def softmax_forward(
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
         grid, block_n, num_warps = _looped_launch(n_rows, n_cols, x.device)
-        _softmax_fwd_looped_kernel[grid](*args, **common, BLOCK_N=block_n, num_warps=num_warps)
+        _softmax_fwd_looped_kernel[grid](*args, **common, BLOCK_N=block_n, STAGES=LOOP_STAGES, num_warps=num_warps)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
@@ -281,7 +285,7 @@ def softmax_backward(
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
         grid, block_n, num_warps = _looped_launch(n_rows, n_cols, out.device)
-        _softmax_bwd_looped_kernel[grid](*args, BLOCK_N=block_n, num_warps=num_warps)
+        _softmax_bwd_looped_kernel[grid](*args, BLOCK_N=block_n, STAGES=LOOP_STAGES, num_warps=num_warps)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
