@@ -109,9 +109,8 @@ def bench_masked(copy_bw: float) -> list[dict]:
 def tune(copy_bw: float) -> None:
     """Sweep kernel configs per row length; prints the fraction of copy bandwidth, forward and backward."""
     original = kernels._one_pass_config
-    knobs = ("LOOP_BLOCK_N", "LOOP_WARPS", "LOOP_PROGRAMS_PER_SM", "LOOP_STAGES")
-    defaults = {k: getattr(kernels, k) for k in knobs}
-    for n_cols in (4096, 16384, 32768, 65536, 131072):
+    defaults = kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD
+    for n_cols in (32768, 65536, 131072):
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
@@ -139,14 +138,12 @@ def tune(copy_bw: float) -> None:
             kernels._one_pass_config = original
         for block_n in (8192, 16384):
             for warps in (16, 32):
-                for per_sm in (0, 1, 2):
+                for per_sm in (0, 2):
                     for stages in (1, 3):
-                        config = dict(zip(knobs, (block_n, warps, per_sm, stages), strict=True))
-                        for k, v in config.items():
-                            setattr(kernels, k, v)
-                        measure(f"looped block={block_n} w={warps} per_sm={per_sm} stages={stages}", True)
-        for k, v in defaults.items():
-            setattr(kernels, k, v)
+                        config = kernels.LoopConfig(block_n, warps, per_sm, stages)
+                        kernels.LOOP_FORWARD = kernels.LOOP_BACKWARD = config
+                        measure(f"looped {config}", True)
+        kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD = defaults
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

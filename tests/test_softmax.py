@@ -60,10 +60,16 @@ def test_softmax_triton_long_rows(dtype):
         _check_softmax(x, -1)
 
 
+def small_blocks(monkeypatch, block_n: int) -> None:
+    """Looped kernels with tiny steps, so small rows take several loop trips; persistent grids too."""
+    monkeypatch.setattr(kernels, "LOOP_FORWARD", kernels.LOOP_FORWARD._replace(block_n=block_n, programs_per_sm=0))
+    monkeypatch.setattr(kernels, "LOOP_BACKWARD", kernels.LOOP_BACKWARD._replace(block_n=block_n, programs_per_sm=1))
+
+
 @pytest.mark.parametrize("looped", [False, True])
 def test_softmax_kernels_direct(monkeypatch, looped):
     """Both kernel shapes on odd sizes, several loop trips for the looped one (small blocks)."""
-    monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 16)
+    small_blocks(monkeypatch, 16)
     for n in (1, 5, 16, 47, 100):
         x = torch.randn(7, n) * 5
         y = kernels.softmax_forward(x, torch.float32, looped=looped)
@@ -204,7 +210,7 @@ def test_scaled_masked_softmax(backend, dtype, case):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_scaled_masked_softmax_long_rows_looped(backend, monkeypatch):
     monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 64)
-    monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 32)
+    small_blocks(monkeypatch, 32)
     scores = torch.randn(2, 2, 70, 150)
     mask = _keep_diagonal(torch.rand(70, 150) > 0.5)
     with fl.use_backend(backend):
@@ -217,7 +223,7 @@ def test_scaled_masked_softmax_long_rows_looped(backend, monkeypatch):
 def test_fully_masked_rows_give_zeros(backend, looped, monkeypatch):
     if looped:
         monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK_N", 8)
+        small_blocks(monkeypatch, 8)
     scores = torch.randn(2, 6, 20, requires_grad=True)
     mask = torch.rand(6, 20) > 0.5
     mask[1] = False  # row 1 masks every key

@@ -19,6 +19,7 @@ zeros when ZERO_EMPTY_ROWS is set (the masked op), NaN otherwise (plain softmax,
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,11 +27,20 @@ import triton.language as tl
 
 # Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
 MAX_ONE_PASS_COLS = 16384
-# Looped kernels: columns per sweep step, warps, and programs per SM of the persistent grid.
-LOOP_BLOCK_N = 4096
-LOOP_WARPS = 16
-LOOP_PROGRAMS_PER_SM = 1  # 0: one program per row (no persistence)
-LOOP_STAGES = 1  # software-pipelining depth of the sweeps (loads issued ahead of use)
+
+
+class LoopConfig(NamedTuple):
+    """Launch settings of a looped kernel."""
+
+    block_n: int  # columns per sweep step
+    warps: int
+    programs_per_sm: int  # > 0: a persistent grid of this many programs per SM; 0: one program per row
+    stages: int  # software-pipelining depth of the sweeps (loads issued ahead of their use)
+
+
+# Measured on an H200 (benchmarks/bench_softmax.py --tune), bf16 rows of 32K-128K columns.
+LOOP_FORWARD = LoopConfig(block_n=16384, warps=32, programs_per_sm=0, stages=1)
+LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=3)
 
 
 @triton.jit
@@ -111,28 +121,24 @@ def _softmax_fwd_looped_row(
     ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     rows = row + tl.arange(0, 1)
-    # Sweep 1: per-lane running max m and sum s of exp(z - m) (online softmax).
-    m = tl.full((1, BLOCK_N), float("-inf"), tl.float32)
-    s = tl.zeros((1, BLOCK_N), tl.float32)
+    # Sweep 1: running max m and sum s of exp(z - m), one block max per step (one exp per element).
+    m = tl.full((1,), float("-inf"), tl.float32)
+    s = tl.zeros((1,), tl.float32)
     for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
         )
-        m_new = tl.maximum(m, z)
-        # Lanes that have seen only -inf keep s = 0 (avoids exp(-inf - -inf) = NaN).
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        # While everything seen is -inf, s stays 0 (avoids exp(-inf - -inf) = NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.exp(z - m_safe)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
         m = m_new
-    row_max = tl.max(m, axis=1)
+    row_max = m
+    denom = s
     if ZERO_EMPTY_ROWS:
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        lane_scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max[:, None]))
-    else:
-        lane_scale = tl.exp(m - row_max[:, None])
-    denom = tl.sum(s * lane_scale, axis=1)
-    if ZERO_EMPTY_ROWS:
         denom = tl.where(denom == 0.0, 1.0, denom)
     inv = 1.0 / denom
     # Sweep 2: write the probabilities.
@@ -202,11 +208,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _looped_launch(n_rows: int, n_cols: int, device: torch.device):
-    """(grid, BLOCK_N, num_warps) for the persistent looped kernels."""
-    programs = _multiprocessors(device) * LOOP_PROGRAMS_PER_SM
+def _looped_launch(n_rows: int, n_cols: int, device: torch.device, config: LoopConfig) -> dict:
+    """Grid and launch keywords of a looped kernel."""
+    programs = _multiprocessors(device) * config.programs_per_sm
     grid = (min(n_rows, programs) if programs else n_rows,)
-    return grid, min(LOOP_BLOCK_N, triton.next_power_of_2(n_cols)), LOOP_WARPS
+    block_n = min(config.block_n, triton.next_power_of_2(n_cols))
+    return grid, dict(BLOCK_N=block_n, STAGES=config.stages, num_warps=config.warps)
 
 
 def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
@@ -257,8 +264,8 @@ def softmax_forward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        grid, block_n, num_warps = _looped_launch(n_rows, n_cols, x.device)
-        _softmax_fwd_looped_kernel[grid](*args, **common, BLOCK_N=block_n, STAGES=LOOP_STAGES, num_warps=num_warps)
+        grid, launch = _looped_launch(n_rows, n_cols, x.device, LOOP_FORWARD)
+        _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
@@ -284,8 +291,8 @@ def softmax_backward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        grid, block_n, num_warps = _looped_launch(n_rows, n_cols, out.device)
-        _softmax_bwd_looped_kernel[grid](*args, BLOCK_N=block_n, STAGES=LOOP_STAGES, num_warps=num_warps)
+        grid, launch = _looped_launch(n_rows, n_cols, out.device, LOOP_BACKWARD)
+        _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
