@@ -106,11 +106,16 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
+TUNE_LOOP_CONFIGS = [kernels.LoopConfig(*c) for c in [
+    (8192, 16, 0, 1), (8192, 16, 0, 3), (16384, 16, 0, 3), (16384, 32, 0, 1), (16384, 32, 2, 1), (16384, 16, 2, 3),
+]]
+
+
 def tune(copy_bw: float) -> None:
     """Sweep kernel configs per row length; prints the fraction of copy bandwidth, forward and backward."""
     original = kernels._one_pass_config
     defaults = kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD
-    for n_cols in (32768, 65536, 131072):
+    for n_cols in (65536, 131072):
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
@@ -136,13 +141,9 @@ def tune(copy_bw: float) -> None:
                 kernels._one_pass_config = lambda n, w=warps: (1, triton.next_power_of_2(n), w)
                 measure(f"one-pass w={warps}", False)
             kernels._one_pass_config = original
-        for block_n in (8192, 16384):
-            for warps in (16, 32):
-                for per_sm in (0, 2):
-                    for stages in (1, 3):
-                        config = kernels.LoopConfig(block_n, warps, per_sm, stages)
-                        kernels.LOOP_FORWARD = kernels.LOOP_BACKWARD = config
-                        measure(f"looped {config}", True)
+        for config in TUNE_LOOP_CONFIGS:
+            kernels.LOOP_FORWARD = kernels.LOOP_BACKWARD = config
+            measure(f"looped {config}", True)
         kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD = defaults
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 # Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
-MAX_ONE_PASS_COLS = 16384
+MAX_ONE_PASS_COLS = 32768
 
 
 class LoopConfig(NamedTuple):
@@ -141,9 +141,10 @@ def _softmax_fwd_looped_row(
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         denom = tl.where(denom == 0.0, 1.0, denom)
     inv = 1.0 / denom
-    # Sweep 2: write the probabilities.
-    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
-        cols = start + tl.arange(0, BLOCK_N)
+    # Sweep 2: write the probabilities, last block first: what sweep 1 read last is likeliest in L2.
+    last = tl.cdiv(n_cols, BLOCK_N) - 1
+    for step in tl.range(0, last + 1, num_stages=STAGES):
+        cols = (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
@@ -192,8 +193,9 @@ def _softmax_bwd_looped_row(
         g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
         acc += g * y
     dot = tl.sum(acc, axis=0)
-    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
-        cols = start + tl.arange(0, BLOCK_N)
+    last = tl.cdiv(n_cols, BLOCK_N) - 1  # second sweep backwards, as in the forward
+    for step in tl.range(0, last + 1, num_stages=STAGES):
+        cols = (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
         y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
