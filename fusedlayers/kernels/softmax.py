@@ -39,7 +39,7 @@ class LoopConfig(NamedTuple):
 
 
 # Measured on an H200 (benchmarks/bench_softmax.py --tune), bf16 rows of 32K-128K columns.
-LOOP_FORWARD = LoopConfig(block_n=16384, warps=32, programs_per_sm=0, stages=1)
+LOOP_FORWARD = LoopConfig(block_n=8192, warps=16, programs_per_sm=0, stages=1)
 LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=3)
 
 
