@@ -32,7 +32,7 @@ MAX_ONE_PASS_COLS = 32768
 class LoopConfig(NamedTuple):
     """Launch settings of a looped kernel."""
 
-    block_n: int  # columns per sweep step
+    block_n: int  # columns per sweep step for 16-bit input; fp32 takes half (same bytes, same shared memory)
     warps: int
     programs_per_sm: int  # > 0: a persistent grid of this many programs per SM; 0: one program per row
     stages: int  # software-pipelining depth of the sweeps (loads issued ahead of their use)
@@ -210,11 +210,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _looped_launch(n_rows: int, n_cols: int, device: torch.device, config: LoopConfig) -> dict:
-    """Grid and launch keywords of a looped kernel."""
-    programs = _multiprocessors(device) * config.programs_per_sm
+def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig) -> dict:
+    """Grid and launch keywords of a looped kernel reading ``x``."""
+    programs = _multiprocessors(x.device) * config.programs_per_sm
     grid = (min(n_rows, programs) if programs else n_rows,)
-    block_n = min(config.block_n, triton.next_power_of_2(n_cols))
+    block_n = min(config.block_n * 2 // max(x.element_size(), 2), triton.next_power_of_2(n_cols))
     return grid, dict(BLOCK_N=block_n, STAGES=config.stages, num_warps=config.warps)
 
 
@@ -266,7 +266,7 @@ def softmax_forward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        grid, launch = _looped_launch(n_rows, n_cols, x.device, LOOP_FORWARD)
+        grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
@@ -293,7 +293,7 @@ def softmax_backward(
     if looped is None:
         looped = n_cols > MAX_ONE_PASS_COLS
     if looped:
-        grid, launch = _looped_launch(n_rows, n_cols, out.device, LOOP_BACKWARD)
+        grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
         _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
