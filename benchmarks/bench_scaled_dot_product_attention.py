@@ -1,0 +1,280 @@
+"""Benchmark fl.scaled_dot_product_attention against torch SDPA's flash, cuDNN and efficient backends (GPU).
+
+Matmul-bound: reports TFLOP/s with FLOPs counted as DESIGN.md says (forward 4*B*H*L*S*D, halved when
+causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory allocated by one
+forward+backward beyond the inputs. Shapes (issue 3): bf16, D in {64, 128}, L = S in {1024, 4096, 16384},
+batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
+
+    python benchmarks/bench_scaled_dot_product_attention.py [--out FILE.md] [--sweep] [--quick]
+
+--sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
+processes), prints the best, and runs the table with them. FlashAttention's own package is not installed
+on the lent GPU, so SDPA's backends are the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fusedlayers as fl  # noqa: E402
+from fusedlayers.kernels import scaled_dot_product_attention as K  # noqa: E402
+
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+TOKENS, WIDTH = 16384, 2048
+PEERS = ("flash", "cudnn", "efficient")
+COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
+
+# Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
+CANDIDATES = {
+    ("fwd", 64): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3)],
+    ("fwd", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3)],
+    ("dkdv", 64): [(64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("dkdv", 128): [(16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 3)],
+    ("dq", 64): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
+    ("dq", 128): [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2)],
+}
+OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG"}
+
+
+def shapes(quick: bool = False):
+    for d in (64, 128):
+        for length in ((4096,) if quick else (1024, 4096, 16384)):
+            for causal in (False, True):
+                yield TOKENS // length, WIDTH // d, length, d, causal
+
+
+def tflops(b, h, length, d, causal, mode, ms):
+    flops = 4.0 * b * h * length * length * d * (0.5 if causal else 1.0) * (3.5 if mode == "fwd+bwd" else 1.0)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def make(b, h, length, d, grad: bool):
+    q, k, v = (torch.randn(b, h, length, d, device=DEVICE, dtype=DTYPE, requires_grad=grad) for _ in range(3))
+    return q, k, v
+
+
+def attention(name):
+    if name == "fl":
+        return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+    def run(q, k, v, c):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=c)
+
+    return run
+
+
+def median_ms(fn, grad_to_none=None) -> float:
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def measure(name, b, h, length, d, causal):
+    """(forward ms, forward+backward ms, peak MiB of one forward+backward beyond its inputs)."""
+    f = attention(name)
+    try:
+        q, k, v = make(b, h, length, d, grad=False)
+        with torch.no_grad():
+            f(q, k, v, causal)
+            fwd = median_ms(lambda: f(q, k, v, causal))
+        del q, k, v
+        q, k, v = make(b, h, length, d, grad=True)
+        do = torch.randn(b, h, length, d, device=DEVICE, dtype=DTYPE)
+
+        def step():
+            f(q, k, v, causal).backward(do)
+
+        step()
+        torch.cuda.synchronize()
+        for t in (q, k, v):
+            t.grad = None
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        both = median_ms(step, grad_to_none=[q, k, v])
+        return fwd, both, peak
+    except Exception as e:  # noqa: BLE001  (a backend that does not take this shape: n/a in the table)
+        print(f"  {name} D={d} L={length} causal={causal}: {str(e).splitlines()[0][:100]}", flush=True)
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- config sweep
+
+
+def _set_config(kind, cfg):
+    setattr(K, OVERRIDE[kind], K.Config(*cfg) if cfg is not None else None)
+
+
+def _run_kernel_once(kind, b, h, length, d, causal, q, k, v, do):
+    if kind == "fwd":
+        K.attention_forward(q, k, v, None, None, causal, d**-0.5)
+        return
+    out, lse = K.attention_forward(q, k, v, None, None, causal, d**-0.5)
+    need = (kind == "dq", kind == "dkdv", kind == "dkdv", False)
+    return lambda: K.attention_backward(do, q, k, v, out, lse, None, None, causal, d**-0.5, *need)
+
+
+def _compile_job(job):
+    """Worker: compile one config by running it once on a small problem with the same specialization."""
+    kind, d, causal, cfg = job
+    try:
+        _set_config(kind, cfg)
+        h = WIDTH // d
+        q, k, v = make(1, h, COMPILE_LENGTH, d, grad=False)
+        do = torch.randn_like(q)
+        fn = _run_kernel_once(kind, 1, h, COMPILE_LENGTH, d, causal, q, k, v, do)
+        if fn is not None:
+            fn()
+        torch.cuda.synchronize()
+        return job, None
+    except Exception as e:  # noqa: BLE001  (report and go on: a config that does not compile is skipped)
+        return job, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def precompile(jobs, workers):
+    """Compile in parallel processes; Triton's on-disk cache then serves this process."""
+    failed = {}
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for job, err in pool.map(_compile_job, jobs):
+            if err:
+                failed[job] = err
+                print(f"  compile failed {job}: {err}", flush=True)
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f}s ({len(failed)} failed)", flush=True)
+    return failed
+
+
+def sweep(lengths, workers):
+    jobs = [(kind, d, causal, cfg) for (kind, d), cfgs in CANDIDATES.items() for causal in (False, True)
+            for cfg in cfgs]
+    failed = precompile(jobs, workers)
+    best = {}
+    print("\n| kernel | D | causal | L | config (BM, BN, warps, stages) | ms | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    for (kind, d), cfgs in CANDIDATES.items():
+        for causal in (False, True):
+            scores = {}
+            for cfg in cfgs:
+                if (kind, d, causal, cfg) in failed:
+                    continue
+                _set_config(kind, cfg)
+                total = 0.0
+                for length in lengths:
+                    b, h = TOKENS // length, WIDTH // d
+                    q, k, v = make(b, h, length, d, grad=False)
+                    do = torch.randn_like(q)
+                    try:
+                        if kind == "fwd":
+                            ms = median_ms(lambda: K.attention_forward(q, k, v, None, None, causal, d**-0.5))
+                            tf = tflops(b, h, length, d, causal, "fwd", ms)
+                        else:
+                            ms = median_ms(_run_kernel_once(kind, b, h, length, d, causal, q, k, v, do))
+                            # matmuls run: dq kernel 3 (QK^T, dO V^T, dS K), dk/dv kernel 4; the forward 2
+                            tf = tflops(b, h, length, d, causal, "fwd", ms) * (1.5 if kind == "dq" else 2.0)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"| {kind} | {d} | {causal} | {length} | {cfg} | error {type(e).__name__} | |")
+                        total = float("inf")
+                        break
+                    total += ms / (tflops(b, h, length, d, causal, "fwd", 1.0))  # normalise shapes
+                    print(f"| {kind} | {d} | {causal} | {length} | {cfg} | {ms:.3f} | {tf:.0f} |", flush=True)
+                scores[cfg] = total
+                _set_config(kind, None)
+            if scores:
+                best[(kind, d, causal)] = min(scores, key=scores.get)
+    print("\nbest configs:", {f"{k[0]}-D{k[1]}-{'causal' if k[2] else 'full'}": v for k, v in best.items()},
+          flush=True)
+    return best
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def table(best, out_path, quick):
+    rows = []
+    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | fl/flash | fl/best peer | "
+          "peak MiB fl / flash |", flush=True)
+    for b, h, length, d, causal in shapes(quick):
+        for kind in ("fwd", "dkdv", "dq"):
+            cfg = best.get((kind, d, causal)) if best else None
+            _set_config(kind, cfg)
+        res = {name: measure(name, b, h, length, d, causal) for name in ("fl", *PEERS)}
+        for kind in ("fwd", "dkdv", "dq"):
+            _set_config(kind, None)
+        for mode, idx in (("fwd", 0), ("fwd+bwd", 1)):
+            tf = {n: tflops(b, h, length, d, causal, mode, r[idx]) if r else None for n, r in res.items()}
+            peers = [tf[p] for p in PEERS if tf[p]]
+            best_peer = max(peers) if peers else None
+            fmt = lambda x: f"{x:.0f}" if x else "n/a"
+            ratio_flash = f"{tf['fl'] / tf['flash']:.2f}" if tf["fl"] and tf["flash"] else "n/a"
+            ratio_best = f"{tf['fl'] / best_peer:.2f}" if tf["fl"] and best_peer else "n/a"
+            mem = ""
+            if mode == "fwd+bwd":
+                mf = f"{res['fl'][2]:.0f}" if res["fl"] else "n/a"
+                mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
+                mem = f"{mf} / {mfl}"
+            row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | {fmt(tf['flash'])} | "
+                   f"{fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | {ratio_flash} | {ratio_best} | {mem} |")
+            rows.append(row)
+            print(row, flush=True)
+    header = (
+        f"# scaled_dot_product_attention on {torch.cuda.get_device_name()}\n\n"
+        f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"Python {platform.python_version()}. bf16, batch*L = {TOKENS}, H*D = {WIDTH}, random data, "
+        "triton.testing.do_bench median. TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
+        "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel. "
+        "Peak MiB: memory allocated by one forward+backward beyond the inputs.\n\n"
+    )
+    if best:
+        header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
+            f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
+    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | fl/flash | fl/best peer | "
+             "peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    if out_path:
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+        with open(out_path, "w") as f:
+            f.write(header + "\n".join(lines) + "\n")
+        print(f"wrote {out_path}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-lengths", default="4096")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    best = sweep([int(x) for x in args.sweep_lengths.split(",")], args.workers) if args.sweep else {}
+    if not args.sweep:  # compile the default configs in parallel before timing
+        precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128)
+                    for causal in (False, True)], args.workers)
+    table(best, args.out, args.quick)
+
+
+if __name__ == "__main__":
+    main()

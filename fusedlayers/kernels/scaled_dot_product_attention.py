@@ -1,0 +1,671 @@
+"""Triton kernels for scaled dot-product attention (FlashAttention-2), forward and backward.
+
+Layout: query (B, H, L, D), key (B, H_kv, S, D), value (B, H_kv, S, Dv), any strides; H a multiple of
+H_kv (grouped-query attention: query head h reads key/value head h // (H // H_kv), nothing copied).
+Scores are s = scale * q.k (+ additive mask) in fp32. For fp16/bf16 the kernels keep them in base 2
+(the scale carries log2(e), so each probability is one exp2); for fp32 inputs in natural units (the
+exponent's argument is formed before the change of base: as precise as torch's fp32 softmax).
+
+- forward: one program per (query block, b, h). Online softmax over key blocks: a running max m and sum l
+  per row, the output accumulated in fp32 registers. The key loop runs in two stages: blocks that need no
+  masking (no bounds check, no causal test: the common case runs lean), then the blocks on the causal
+  diagonal and/or the ragged tail of S. Writes the output and the logsumexp (natural log) per row.
+- backward: ``delta = rowsum(dO * O)`` (a small kernel), then two kernels that recompute the
+  probabilities tile by tile from the saved logsumexp:
+  * dK/dV: one program per (key block, b, h_kv); it loops over the query heads of its group and all query
+    blocks, accumulating dK and dV in registers: GQA needs no expanded K/V and no atomics.
+  * dQ: one program per (query block, b, h); it loops over the key blocks.
+  Each gradient is written once by one program, in a fixed order: no atomics, bitwise reproducible.
+- masks: ``attn_mask`` bool (True = keep) or additive float, read tile by tile through its strides (a
+  broadcast dim has stride 0, so a (L, S) mask is never expanded in memory); causal is top-left
+  (key j kept for query i when j <= i, as SDPA). A row that masks every key gets output 0 and
+  logsumexp +inf, which makes its probabilities 0 in the backward: zero gradients, never NaN.
+- dropout: the keep mask is a counter-based hash (Philox-4x32, 7 rounds) of (key j, query i, b*H + h)
+  under a 62-bit key (two 31-bit seeds), so the backward regenerates exactly the forward's mask and
+  nothing is stored. ``fusedlayers.ops.scaled_dot_product_attention.philox_keep`` is the same function
+  in PyTorch (bit-identical).
+- fp16/bf16 inputs: tensor-core dots with fp32 accumulation, probabilities rounded to the input dtype for
+  the P.V and dS.K products (as FlashAttention). fp32 inputs: IEEE fp32 dots (no TF32).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+PHILOX_ROUNDS = tl.constexpr(7)  # a constexpr global: the @jit functions read it
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc)
+    return c
+
+
+@triton.jit
+def _exp(x, NATURAL: tl.constexpr):
+    """exp of x in the kernels' exponent units: natural (fp32 inputs, precise) or base 2 (16-bit inputs,
+    where the scale already holds log2(e) and exp2 saves a multiply per score)."""
+    if NATURAL:
+        y = tl.math.exp2(x * 1.4426950408889634)
+    else:
+        y = tl.math.exp2(x)
+    return y
+
+
+@triton.jit
+def _load2d(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a (rows x cols) tile, bounds-checking only the dims that need it (0 outside)."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dropout_keep(seed0, seed1, rows, cols, bh, threshold):
+    """True where element (query rows, key cols) of head bh is kept: Philox-4x32-7 of the counter
+    (col, row, bh, 0) under key (seed0, seed1); keep when the first word's top 31 bits >= threshold."""
+    c0 = (cols + rows * 0).to(tl.uint32)
+    c1 = (rows + cols * 0).to(tl.uint32)
+    c2 = c0 * 0 + bh.to(tl.uint32)
+    c3 = c0 * 0
+    k0 = seed0.to(tl.uint32)
+    k1 = seed1.to(tl.uint32)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        a0 = c0
+        a2 = c2
+        c0 = tl.math.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.math.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return (c0 >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _masked_scores(
+    qk, qk_scale, mask_ptrs, rows, cols, L, S,
+    CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    NATURAL: tl.constexpr,
+):
+    """(rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units."""
+    s = qk * qk_scale
+    if HAS_MASK:
+        if CHECK_KEYS:
+            mv = tl.load(mask_ptrs, mask=(rows[:, None] < L) & (cols[None, :] < S), other=0)
+        else:
+            mv = tl.load(mask_ptrs, mask=rows[:, None] < L, other=0)
+        if MASK_BOOL:
+            s = tl.where(mv != 0, s, float("-inf"))
+        elif NATURAL:
+            s = s + mv.to(tl.float32)
+        else:
+            s = s + mv.to(tl.float32) * 1.4426950408889634
+    if CHECK_KEYS:
+        s = tl.where(cols[None, :] < S, s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    return s
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, mask_base, lo, hi,
+    offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
+    CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    mask_ptrs = mask_base + offs_m[:, None] * stride_mm + (lo + offs_n)[None, :] * stride_mn
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
+        qk = _mm(q, tl.trans(k), IEEE)
+        if CHECK_KEYS or CAUSAL or HAS_MASK:
+            s = _masked_scores(qk, qk_scale, mask_ptrs, offs_m, cols, L, S, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL,
+                               IEEE)
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            # a row with every key masked so far keeps m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            s = qk * qk_scale
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = m_ij
+        p = _exp(s - m_sub[:, None], IEEE)
+        alpha = _exp(m_i - m_sub, IEEE)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(seed0, seed1, offs_m[:, None], cols[None, :], bh, drop_threshold)
+            p = tl.where(keep, p, 0.0)
+        v = _load2d(v_ptrs, cols, S, offs_dv, DV, CHECK_KEYS, not EVEN_DV)
+        acc = _mma(p.to(v.dtype), v, acc, IEEE)
+        m_i = m_ij
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        mask_ptrs += BLOCK_N * stride_mn
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Mask,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the longest rows first: better balance across the last wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+
+    q = _load2d(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, L, offs_d, D,
+                True, not EVEN_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # key blocks [0, full_hi) need no bounds check and (causal) lie wholly left of the diagonal;
+    # [full_hi, hi) are the diagonal blocks and/or the ragged tail of S.
+    s_even = (S // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(S, m0 + BLOCK_M)
+        full_hi = tl.minimum((m0 // BLOCK_N) * BLOCK_N, s_even)
+    else:
+        hi = S
+        full_hi = s_even
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, 0, full_hi,
+        offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
+        offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+    )
+
+    # rows with every key masked have l = 0 and acc = 0: output 0, logsumexp +inf
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    inv_l = tl.where(has_keys, 1.0 / l_safe, 0.0)
+    if DROPOUT:
+        inv_l = inv_l * inv_keep
+    out = acc * inv_l[:, None]
+    if IEEE:  # natural units
+        lse = tl.where(has_keys, m_i + tl.log(l_safe), float("inf"))
+    else:
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    o_ptrs = Out + bh.to(tl.int64) * L * DV + offs_m[:, None] * DV + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_dv[None, :] < DV))
+    tl.store(Lse + bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
+    H, L, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_DV)
+    inside = (offs_m[:, None] < L) & (offs_d[None, :] < DV)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :] * stride_od, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
+                + offs_d[None, :] * stride_gd, mask=inside, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * L + offs_m, tl.sum(o * g, 1), mask=offs_m < L)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
+    offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+    CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        q = _load2d(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, L, offs_d, D,
+                    CHECK_ROWS, not EVEN_D)
+        # query rows past L get logsumexp +inf: their probabilities are 0
+        if CHECK_ROWS:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < L, other=float("inf"))
+        else:
+            lse = tl.load(lse_base + offs_m)
+        s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
+        if HAS_MASK:
+            mv = tl.load(mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn,
+                         mask=(offs_m[None, :] < L) & (offs_n[:, None] < S), other=0)
+            if MASK_BOOL:
+                s_t = tl.where(mv != 0, s_t, float("-inf"))
+            elif IEEE:
+                s_t = s_t + mv.to(tl.float32)
+            else:
+                s_t = s_t + mv.to(tl.float32) * 1.4426950408889634
+        if CAUSAL:
+            s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+        if IEEE:
+            p_t = _exp(s_t - lse[None, :], True)
+        else:
+            p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        do = _load2d(do_base + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd, offs_m, L, offs_dv, DV,
+                     CHECK_ROWS, not EVEN_DV)
+        if DROPOUT:
+            keep_t = _dropout_keep(seed0, seed1, offs_m[None, :], offs_n[:, None], bh, drop_threshold)
+        if COMPUTE_DV:
+            if DROPOUT:
+                dv = _mma(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, IEEE)
+            else:
+                dv = _mma(p_t.to(do.dtype), do, dv, IEEE)
+        if COMPUTE_DK or STORE_DS:
+            if CHECK_ROWS:
+                delta = tl.load(delta_base + offs_m, mask=offs_m < L, other=0.0)
+            else:
+                delta = tl.load(delta_base + offs_m)
+            dp_t = _mm(v, tl.trans(do), IEEE)
+            if DROPOUT:
+                dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if COMPUTE_DK:
+                dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
+            if STORE_DS:
+                tl.store(ds_base + offs_m[None, :].to(tl.int64) * S + offs_n[:, None], ds_t,
+                         mask=(offs_m[None, :] < L) & (offs_n[:, None] < S))
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
+    COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    H_KV = H // GROUP
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k = _load2d(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, offs_n, S, offs_d, D, True, not EVEN_D)
+    v = _load2d(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+                + offs_dv[None, :] * stride_vd, offs_n, S, offs_dv, DV, True, not EVEN_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # query blocks: [m_start, m_mid) straddle the causal diagonal, [m_mid, l_even) need no masking,
+    # [max(m_mid, l_even), L) is the ragged tail of L. Non-causal: m_start = m_mid = 0.
+    l_even = (L // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        m_start = (n0 // BLOCK_M) * BLOCK_M
+        m_mid = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        m_start = 0
+        m_mid = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+        lse_base = Lse + bh.to(tl.int64) * L
+        delta_base = Delta + bh.to(tl.int64) * L
+        mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+        ds_base = DS + bh.to(tl.int64) * L * S
+        if IS_CAUSAL:
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
+                m_start, tl.minimum(m_mid, L),
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+                True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, BLOCK_M,
+            )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
+            offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+            False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+            EVEN_D, EVEN_DV, IEEE, BLOCK_M,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, tl.maximum(m_mid, l_even), L,
+            offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+            False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+            EVEN_D, EVEN_DV, IEEE, BLOCK_M,
+        )
+
+    key_rows = offs_n[:, None] < S
+    if COMPUTE_DK:
+        tl.store(DK + bhk.to(tl.int64) * S * D + offs_n[:, None] * D + offs_d[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=key_rows & (offs_d[None, :] < D))
+    if COMPUTE_DV:
+        if DROPOUT:
+            dv = dv * inv_keep
+        tl.store(DV_ + bhk.to(tl.int64) * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
+                 dv.to(DV_.dtype.element_ty), mask=key_rows & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, mask_base, lo, hi,
+    offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+    CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    mask_ptrs = mask_base + offs_m[:, None] * stride_mm + (lo + offs_n)[None, :] * stride_mn
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
+        v = _load2d(v_ptrs, cols, S, offs_dv, DV, CHECK_KEYS, not EVEN_DV)
+        qk = _mm(q, tl.trans(k), IEEE)
+        if CHECK_KEYS or CAUSAL or HAS_MASK:
+            s = _masked_scores(qk, qk_scale, mask_ptrs, offs_m, cols, L, S, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL,
+                               IEEE)
+        else:
+            s = qk * qk_scale
+        p = _exp(s - lse2[:, None], IEEE)
+        dp = _mm(do, tl.trans(v), IEEE)
+        if DROPOUT:
+            keep = _dropout_keep(seed0, seed1, offs_m[:, None], cols[None, :], bh, drop_threshold)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = _mma(ds.to(k.dtype), k, dq, IEEE)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        mask_ptrs += BLOCK_N * stride_mn
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Mask,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = _load2d(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, offs_m, L, offs_d, D, True, not EVEN_D)
+    do = _load2d(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
+                 + offs_dv[None, :] * stride_gd, offs_m, L, offs_dv, DV, True, not EVEN_DV)
+    lse2 = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
+    if not IEEE:  # base-2 units
+        lse2 = lse2 * 1.4426950408889634
+    delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    s_even = (S // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(S, m0 + BLOCK_M)
+        full_hi = tl.minimum((m0 // BLOCK_N) * BLOCK_N, s_even)
+    else:
+        hi = S
+        full_hi = s_even
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, mask_base, 0, full_hi,
+        offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, mask_base, full_hi, hi,
+        offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+    )
+    tl.store(DQ + bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_d[None, :] < D))
+
+
+# ----------------------------------------------------------------------------- configs and launchers
+
+# Overrides for tuning (benchmarks set these; None = the table below).
+FWD_CONFIG: Config | None = None
+BWD_DKDV_CONFIG: Config | None = None
+BWD_DQ_CONFIG: Config | None = None
+
+
+def _head_block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on CUDA, by padded head dim.
+# BLOCK_M is the query block, BLOCK_N the key block, in every kernel. Checked to compile for sm_90 without
+# register spills (forward, dQ) or with few (dK/dV at D = 256).
+_FWD = {64: Config(128, 64, 4, 3), 128: Config(128, 64, 8, 3), 256: Config(64, 64, 8, 2)}
+_DKDV = {64: Config(64, 128, 8, 2), 128: Config(32, 128, 8, 2), 256: Config(32, 32, 8, 1)}
+_DQ = {64: Config(128, 64, 8, 2), 128: Config(128, 64, 8, 2), 256: Config(64, 32, 4, 2)}
+# fp32 inputs (IEEE dots, twice the bytes per element): smaller tiles.
+_FWD_FP32 = {64: Config(64, 32, 8, 1), 128: Config(32, 32, 4, 1), 256: Config(16, 16, 4, 1)}
+_DKDV_FP32 = {128: Config(16, 32, 4, 1), 256: Config(16, 16, 4, 1)}
+_DQ_FP32 = {64: Config(32, 32, 4, 1), 128: Config(32, 16, 4, 1), 256: Config(16, 16, 4, 1)}
+# The interpreter (CPU): small tiles, so that small tests cross several blocks in L and S.
+_INTERPRETER = {"fwd": Config(32, 16, 4, 1), "dkdv": Config(16, 32, 4, 1), "dq": Config(32, 16, 4, 1)}
+
+
+def _pick(table: dict, bd: int) -> Config:
+    return next(cfg for limit, cfg in sorted(table.items()) if bd <= limit)
+
+
+def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, is_causal: bool) -> Config:
+    """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); the module-level overrides win (tuning)."""
+    override = {"fwd": FWD_CONFIG, "dkdv": BWD_DKDV_CONFIG, "dq": BWD_DQ_CONFIG}[kind]
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return _INTERPRETER[kind]
+    bd = max(_head_block(d), _head_block(dv))
+    if dtype == torch.float32:
+        table = {"fwd": _FWD_FP32, "dkdv": _DKDV_FP32, "dq": _DQ_FP32}[kind]
+    else:
+        table = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}[kind]
+    return _pick(table, bd)
+
+
+def _mask_args(mask: torch.Tensor | None, fallback: torch.Tensor):
+    """(pointer tensor, 4 strides, is_bool) for a mask already expanded to (B, H, L, S)."""
+    if mask is None:
+        return fallback, (0, 0, 0, 0), False
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), mask.stride(), True
+    return mask, mask.stride(), False
+
+
+def _exponent_scale(dtype: torch.dtype, scale: float) -> float:
+    """Scores are kept in natural units for fp32 inputs (precise), in base 2 for fp16/bf16 (one multiply
+    fewer per score): the kernels' IEEE flag selects the same units."""
+    return scale if dtype == torch.float32 else scale * LOG2E
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) fp32 (+inf for fully-masked rows).
+
+    q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv), mask None or expanded to (B, H, L, S),
+    dropout None or (seed0, seed1, threshold, 1 / (1 - p)): seeds in [0, 2**31), an element is kept when
+    the top 31 bits of its Philox word are >= threshold.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, H, L, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal)
+    mask_t, ms, mask_bool = _mask_args(mask, q)
+    seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
+    bd, bdv = _head_block(D), _head_block(DV)
+    grid = (triton.cdiv(L, cfg.block_m), B * H)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, mask_t,
+        *q.stride(), *k.stride(), *v.stride(), *ms,
+        H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
+        IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
+        EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_DV=bdv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, mask: torch.Tensor | None, dropout: tuple[int, int, int, float] | None,
+    is_causal: bool, scale: float, need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dq, dk, dv (contiguous, in their input's dtype) and dS (B, H, L, S) fp32 for a float mask's
+    gradient; None for each one not asked for. Shapes as in ``attention_forward``."""
+    B, H, L, D = q.shape
+    H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=dev) if need_dq else None
+    dk = torch.empty(k.shape, dtype=k.dtype, device=dev) if need_dk else None
+    dv = torch.empty(v.shape, dtype=v.dtype, device=dev) if need_dv else None
+    ds = torch.zeros((B, H, L, S), dtype=torch.float32, device=dev) if need_dmask else None
+    if L == 0 or S == 0 or B * H == 0:  # nothing attends: zero gradients
+        return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
+    bd, bdv = _head_block(D), _head_block(DV)
+    lse = lse.contiguous()
+    delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
+    pre_m = 64 if bdv <= 128 else 32
+    _bwd_preprocess_kernel[(triton.cdiv(L, pre_m), B * H)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
+    )
+    mask_t, ms, mask_bool = _mask_args(mask, q)
+    seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
+    common = dict(
+        IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
+        EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
+    )
+    scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
+    if need_dk or need_dv or need_dmask:
+        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal)
+        _attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H_kv)](
+            q, k, v, grad_out, lse, delta, dk if need_dk else q, dv if need_dv else q, mask_t,
+            ds if need_dmask else delta, *strides, *scalars,
+            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if need_dq:
+        cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal)
+        _attn_bwd_dq_kernel[(triton.cdiv(L, cfg.block_m), B * H)](
+            q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *scalars, **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return dq, dk, dv, ds

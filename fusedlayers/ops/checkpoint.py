@@ -1,0 +1,529 @@
+"""Activation checkpointing: free a block's activations after forward, recompute them in backward.
+
+This op has no kernel: it is a mechanism around the autograd graph. ``fusedlayers.functional.checkpoint``
+validates its arguments and calls :func:`checkpoint` here; ``fusedlayers.modules.CheckpointedBlock``
+wraps a module with it.
+
+Mechanism: saved-tensor hooks, not a reentrant autograd Function
+----------------------------------------------------------------
+The function runs once, normally, with grad enabled, so autograd records the ordinary graph (parameters
+and inputs are in it, as without checkpointing) under ``torch.autograd.graph.saved_tensors_hooks``. The
+pack hook replaces every tensor an autograd node saves for backward by a small handle (shape, dtype,
+device and a slot number), so the activations are freed as soon as forward lets go of them. The first
+time backward unpacks a handle of this call (per backward pass: graph task), the function runs again
+with the recorded RNG, autocast and module-buffer state, under a second pack hook that collects what
+autograd saves, in order, and checks each shape/dtype/device against the forward's; it stops as soon as
+the last tensor still needed has been produced. Each unpack hands its tensor over and drops it.
+
+Why not the reentrant design (a custom ``autograd.Function`` that runs the function under no_grad in
+forward and calls ``torch.autograd.backward`` on a recomputed graph inside its backward): the forward
+graph then hides the parameters, so ``torch.autograd.grad`` cannot reach them, inputs that do not require
+grad leave the parameters without gradients, and the nested backward passes fire DDP's gradient-ready
+hooks outside the main pass ("Expected to mark a variable ready only once" with reused parameters or
+``find_unused_parameters=True``). With saved-tensor hooks the graph is exactly the unwrapped one; only
+where its saved tensors come from changes, so autograd.grad, no-grad inputs, kwargs, nesting and DDP
+behave as without checkpointing. (This is the design of ``torch.utils.checkpoint(use_reentrant=False)``;
+this is our own implementation of it, plus the selective policy and the module-state guard below.)
+
+Exactness: the recompute restores the CPU RNG state and the CUDA RNG state of the devices involved (the
+global streams are left where they were after the recompute, so training draws the same random numbers
+as without checkpointing), the autocast state (enabled, dtype, cache) of CPU and CUDA, and the module
+buffers' values at the start of the forward.
+
+Module state: buffers of the modules reachable from the function (the function itself if it is a module,
+the module of a bound method, modules in ``functools.partial`` objects, closures and arguments) are
+copied before the forward; the recompute runs on private copies of those copies and then puts the
+originals back, so BatchNorm running stats, ``num_batches_tracked`` and observers are updated exactly
+once (by the forward) and the recompute sees the state the forward saw. (BatchNorm updates its running
+stats without bumping their version counter, so the copy cannot be skipped by looking at versions; a
+block's buffers are usually tiny, but large constant buffers are copied too.) State kept elsewhere
+(Python attributes, tensors in globals) is not guarded; such code can ask :func:`is_recomputing`.
+
+Policies
+--------
+- ``"full"``: keep only the inputs; recompute everything in backward (memory per block: its inputs).
+- ``"selective"``: keep the outputs of the expensive ops (matmuls, convolutions, attention and the
+  ``torch.ops.fusedlayers`` attention / linear-cross-entropy ops) and recompute only the cheap ones
+  (norms, activations, dropout, elementwise, copies), as selective activation recomputation in Megatron-LM
+  and torch's SAC do. A ``TorchDispatchMode`` records the outputs of the chosen ops during forward and
+  hands them back instead of running the ops again during the recompute. Outputs only needed by ops after
+  the last tensor autograd saved are dropped after forward (the recompute stops before them).
+- a callable ``policy(op, *args, **kwargs) -> bool``: True to keep that op's output. ``op`` is an
+  ``torch._ops.OpOverload`` (e.g. ``torch.ops.aten.mm.default``), args are its (autograd-free) tensors
+  and values. It is called in forward and again, with the same arguments, in the recompute, and must
+  answer the same both times. Views and in-place/mutating ops are never kept (the recompute must create
+  them itself); a kept op that consumed random numbers moves the RNG to where the forward left it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["checkpoint", "CheckpointError", "is_recomputing", "is_expensive_op", "POLICIES"]
+
+POLICIES = ("full", "selective")
+
+
+class CheckpointError(RuntimeError):
+    """The recompute in backward did not reproduce what the forward saved (or cannot run)."""
+
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed function is being re-run in backward (on this thread)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+class _StopRecompute(Exception):
+    """Raised from the recompute's pack hook once the last tensor still needed exists."""
+
+
+# ----------------------------------------------------------------------------- the selective policy
+
+# aten ops whose outputs "selective" keeps: matmuls, convolutions, fused attention.
+EXPENSIVE_ATEN_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm", "_int_mm", "_addmm_activation",
+    "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward",
+})
+# torch.ops.fusedlayers ops kept by "selective", matched by name prefix (so ops added later count too).
+EXPENSIVE_FUSEDLAYERS_PREFIXES = ("attention", "scaled_dot_product_attention", "flash_attention",
+                                  "linear_cross_entropy")
+
+
+def is_expensive_op(op) -> bool:
+    """The default selective policy: is ``op`` (an OpOverload) a matmul, convolution or attention op of
+    aten, or an attention / linear-cross-entropy op of ``torch.ops.fusedlayers``?"""
+    namespace, _, name = op._schema.name.partition("::")
+    if namespace == "aten":
+        return name in EXPENSIVE_ATEN_OPS
+    if namespace == "fusedlayers":
+        return name.startswith(EXPENSIVE_FUSEDLAYERS_PREFIXES) and "backward" not in name
+    return False
+
+
+@functools.cache
+def _keepable(op) -> bool:
+    """Outputs of views and of ops that mutate an argument cannot be handed back from a cache."""
+    schema = op._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+@functools.cache
+def _may_use_rng(op) -> bool:
+    return op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
+
+
+@functools.cache
+def _default_decision(op) -> bool:
+    return _keepable(op) and is_expensive_op(op)
+
+
+def _detach(x):
+    return x.detach() if isinstance(x, Tensor) else x
+
+
+# ----------------------------------------------------------------------------- RNG and autocast state
+
+
+def _cuda_devices(tensors) -> list[int]:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    devices = {t.device.index for t in tensors if t.is_cuda}
+    if not devices:  # the function may move data to the GPU itself
+        devices = {torch.cuda.current_device()}
+    return sorted(devices)
+
+
+class _RngState:
+    """CPU RNG state and the CUDA RNG states of ``devices``."""
+
+    def __init__(self, devices: list[int], cpu: bool = True) -> None:
+        self.cpu = torch.get_rng_state() if cpu else None
+        self.devices = devices
+        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+    def set(self) -> None:
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        for device, state in zip(self.devices, self.cuda, strict=True):
+            torch.cuda.set_rng_state(state, device)
+
+
+@contextlib.contextmanager
+def _rng_restored(state: _RngState | None):
+    """Run with ``state`` set, then put the RNG back where it was (no-op for None)."""
+    if state is None:
+        yield
+        return
+    current = _RngState(state.devices)
+    state.set()
+    try:
+        yield
+    finally:
+        current.set()
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_state():
+    return ([(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types()],
+            torch.is_autocast_cache_enabled())
+
+
+@contextlib.contextmanager
+def _autocast_restored(state):
+    per_device, cache = state
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in per_device:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        yield
+
+
+# ----------------------------------------------------------------------------- module state
+
+
+def _find_modules(roots) -> list[nn.Module]:
+    """Modules reachable from the function and its arguments (bound methods, partials, closures)."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(obj, depth: int) -> None:
+        if depth > 4 or id(obj) in seen or isinstance(obj, (Tensor, str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif isinstance(obj, functools.partial):
+            for item in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(item, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # empty cell
+                    pass
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return found
+
+
+class _BufferGuard:
+    """The buffers of some modules as they were before the forward; swaps copies in for the recompute."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.entries: list[tuple[dict, str, Tensor]] = []
+        seen: set[tuple[int, str]] = set()
+        with torch.no_grad():
+            for root in modules:
+                for module in root.modules():
+                    for name, buf in module._buffers.items():
+                        if buf is None or (id(module), name) in seen:
+                            continue
+                        seen.add((id(module), name))
+                        self.entries.append((module._buffers, name, buf.clone()))
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """Give each module a private copy of its pre-forward buffers, then restore the real ones."""
+        if not self.entries:
+            yield
+            return
+        current = [buffers[name] for buffers, name, _ in self.entries]
+        with torch.no_grad():
+            for buffers, name, before in self.entries:
+                buffers[name] = before.clone()
+        try:
+            yield
+        finally:
+            for (buffers, name, _), buf in zip(self.entries, current, strict=True):
+                buffers[name] = buf
+
+
+# ----------------------------------------------------------------------------- dispatch modes (selective)
+
+
+class _SelectiveMode(TorchDispatchMode):
+    """Forward: run every op and keep the outputs of those the policy keeps. Recompute (``replay``):
+    hand those outputs back instead of running the ops."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Newer torch wraps __torch_dispatch__ in torch._dynamo.disable (tens of microseconds per op). Dynamo
+        # never runs here anyway: checkpoint() is compiler-disabled and the recompute runs in backward.
+        return False
+
+    def __init__(self, frame: _Frame, replay: bool) -> None:
+        super().__init__()
+        self.frame = frame
+        self.replay = replay
+        self.kept = 0  # ops kept (forward) or handed back (recompute) so far
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.frame.keeps(func, args, kwargs):
+            return func(*args, **kwargs)
+        index = self.kept
+        self.kept += 1
+        frame = self.frame
+        if not self.replay:
+            out = func(*args, **kwargs)
+            rng = None
+            if frame.preserve_rng_state and _may_use_rng(func):
+                rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
+            kept = tree_map(_detach, out)
+            frame.cache.append((func, kept, rng, _versions(kept)))
+            return out
+        entry = frame.cache[index] if index < len(frame.cache) else None
+        if entry is None:  # dropped after forward: not needed, or changed in place
+            return func(*args, **kwargs)
+        op, out, rng, versions = entry
+        if op is not func:
+            raise CheckpointError(
+                f"fl.checkpoint(policy=selective): the recompute ran {func} where the forward ran {op} "
+                f"(kept op #{index}); the function must run the same ops when it is recomputed"
+            )
+        if _versions(out) != versions:  # changed in place since (e.g. the caller changed the output)
+            return func(*args, **kwargs)
+        if rng is not None:
+            rng.set()
+        return tree_map(_detach, out)
+
+
+def _versions(tree) -> tuple[int, ...]:
+    return tuple(t._version for t in _tensor_leaves(tree))
+
+
+def _tensor_leaves(tree) -> list[Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
+
+
+# ----------------------------------------------------------------------------- the frame of one call
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the call's tensor inputs as an autograd node's saved tensors, so that any saved-tensor hooks
+    active around the call (an outer checkpoint: nesting) manage them like other activations."""
+
+    @staticmethod
+    def forward(ctx, dummy, *tensors):
+        ctx.save_for_backward(*tensors)
+        return torch.empty((0,))
+
+    @staticmethod
+    def backward(ctx, *grads):  # never reached: the output is not used
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class _Handle:
+    """What autograd keeps instead of a saved tensor."""
+
+    __slots__ = ("frame", "index", "__weakref__")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+_TENSOR = object()  # marks where a tensor argument goes when the arguments are rebuilt
+_capture: list | None = None  # set by _capture_frames (tests and benchmarks inspect frames)
+
+
+@contextlib.contextmanager
+def _capture_frames():
+    """Collect the frames of the checkpoint calls made inside (for tests: what a call keeps)."""
+    global _capture
+    previous, _capture = _capture, []
+    try:
+        yield _capture
+    finally:
+        _capture = previous
+
+
+class _Frame:
+    def __init__(self, function, policy, preserve_rng_state: bool) -> None:
+        self.function = function
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.handles: list[weakref.ref] = []
+        self.cache: list = []  # selective, per kept op: (op, outputs, RNG state after it, versions) or None
+        self.kept_at_pack = 0  # selective: ops kept when the last tensor was saved
+        self.mode: _SelectiveMode | None = None
+        self.recomputed: dict[int, dict[int, Tensor]] = {}
+
+    # --------------------------------------------------------------- policy
+
+    def keeps(self, op, args, kwargs) -> bool:
+        if self.policy == "selective":
+            return _default_decision(op)
+        return _keepable(op) and bool(self.policy(op, *args, **kwargs))
+
+    # --------------------------------------------------------------- forward
+
+    def run_forward(self, args, kwargs):
+        leaves, self.spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
+        self.requires_grad = [t.requires_grad for t in tensors]
+        dummy = torch.empty((0,), requires_grad=True)
+        # Keep the node's output alive: the node (and with it its saved tensors) lives as long as it does.
+        self.input_saver = _SaveInputs.apply(dummy, *tensors)
+        self.rng = _RngState(_cuda_devices(tensors)) if self.preserve_rng_state else None
+        self.autocast = _autocast_state()
+        self.buffers = _BufferGuard(_find_modules([self.function, *leaves]))
+        mode = None if self.policy == "full" else _SelectiveMode(self, replay=False)
+        self.mode = mode
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
+            with mode if mode is not None else contextlib.nullcontext():
+                out = self.function(*args, **kwargs)
+        self.mode = None
+        # Ops kept after the last saved tensor are never reached by the recompute (it stops there); outputs
+        # changed in place after their op ran cannot stand in for it (the recompute runs those ops again).
+        del self.cache[self.kept_at_pack:]
+        self.cache = [None if _versions(e[1]) != e[3] else e for e in self.cache]
+        return out
+
+    def pack(self, tensor: Tensor) -> _Handle:
+        handle = _Handle(self, len(self.metas))
+        self.metas.append((tensor.shape, tensor.dtype, tensor.device))
+        self.handles.append(weakref.ref(handle))
+        if self.mode is not None:
+            self.kept_at_pack = self.mode.kept
+        return handle
+
+    # --------------------------------------------------------------- backward
+
+    def recompute(self) -> dict[int, Tensor]:
+        """Run the function again; return {slot: tensor} for the handles still alive."""
+        wanted = {i for i, ref in enumerate(self.handles) if ref() is not None}
+        store: dict[int, Tensor] = {}
+        if not wanted:
+            return store
+        last = max(wanted)
+        saved = self.input_saver.grad_fn.saved_tensors  # unpacks through an outer checkpoint when nested
+        tensors = iter(t.detach().requires_grad_(rg) if rg else t.detach()
+                       for t, rg in zip(saved, self.requires_grad, strict=True))
+        leaves = [next(tensors) if x is _TENSOR else x for x in self.leaves]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        mode = None if self.policy == "full" else _SelectiveMode(self, replay=True)
+        count = 0
+
+        def pack(tensor: Tensor) -> int:
+            nonlocal count
+            index = count
+            count += 1
+            if index >= len(self.metas):
+                raise CheckpointError(
+                    f"fl.checkpoint: the recompute saved more tensors for backward than the forward did "
+                    f"({len(self.metas)}); the function must run the same ops when it is recomputed")
+            shape, dtype, device = self.metas[index]
+            if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
+                raise CheckpointError(
+                    f"fl.checkpoint: the recompute produced saved tensor #{index} with shape "
+                    f"{tuple(tensor.shape)}, dtype {tensor.dtype} on {tensor.device}, but the forward saved "
+                    f"shape {tuple(shape)}, dtype {dtype} on {device}. The checkpointed function must compute "
+                    f"tensors of the same shapes and dtypes when it is recomputed in backward (no branching on "
+                    f"global state, counters or randomness that is not torch's RNG)")
+            if index in wanted:
+                with torch._C._DisableTorchDispatch():  # not through the replay mode
+                    store[index] = tensor.detach()
+            if index == last:
+                raise _StopRecompute
+            return index
+
+        def unpack(_):
+            raise CheckpointError("fl.checkpoint: backward through a recompute graph is not supported")
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_rng_restored(self.rng))
+            stack.enter_context(_autocast_restored(self.autocast))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(self.buffers.swapped())
+            stack.enter_context(_recomputing())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            if mode is not None:
+                stack.enter_context(mode)
+            try:
+                self.function(*args, **kwargs)
+            except _StopRecompute:
+                pass
+            else:
+                raise CheckpointError(
+                    f"fl.checkpoint: the recompute saved {count} tensors for backward but the forward saved "
+                    f"{len(self.metas)}; the function must run the same ops when it is recomputed")
+        return store
+
+
+def _unpack(handle: _Handle) -> Tensor:
+    frame = handle.frame
+    gid = torch._C._current_graph_task_id()
+    if gid == -1:  # unpacked outside a backward pass (e.g. grad_fn._saved_self): recompute for it alone
+        return frame.recompute()[handle.index]
+    store = frame.recomputed.get(gid)
+    if store is None or handle.index not in store:
+        # First unpack of this call in this backward pass (or a second unpack of the same tensor).
+        first = store is None
+        store = frame.recomputed[gid] = frame.recompute()
+        if first:  # drop what this pass did not ask for when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: frame.recomputed.pop(gid, None))
+    return store.pop(handle.index)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+@torch.compiler.disable
+def checkpoint(function: Callable[..., Any], *args, preserve_rng_state: bool = True, policy="full", **kwargs):
+    """``function(*args, **kwargs)`` with its activations freed after forward and recomputed in backward.
+
+    Arguments are validated by ``fusedlayers.functional.checkpoint``; see this module's docstring for the
+    mechanism and the policies. Without grad mode (``torch.no_grad``, inference) it just calls function.
+
+    ``torch.compile`` does not trace into it (a graph break: the checkpointed function runs eagerly),
+    because compiled code saves other tensors for backward than the eager recompute would produce.
+    """
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return function(*args, **kwargs)
+    frame = _Frame(function, policy, preserve_rng_state)
+    if _capture is not None:
+        _capture.append(frame)
+    return frame.run_forward(args, kwargs)

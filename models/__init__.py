@@ -1,0 +1,3 @@
+"""The application around ``fusedlayers``: a GPT whose layers are picked by name (``models.layers``
+registries), its LightningModule (``models.lit``), DataModule (``models.data``), callbacks, the training
+run behind ``train.py`` (``models.training``) and sweep comparison (``models.compare``)."""

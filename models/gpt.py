@@ -1,0 +1,202 @@
+"""A small GPT in the spirit of nanoGPT, whose parts are picked by name from the registries in
+:mod:`models.layers`: pre-LayerNorm blocks, causal self-attention with a fused qkv projection, a GELU MLP,
+learned or rotary positions, tied input/output embeddings and GPT-2's scaled init.
+
+Every choice of attention / softmax / loss / quant / checkpoint gives the same parameter names and
+shapes, so a checkpoint trained with one loads into any other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.layers import ATTENTION, CHECKPOINT, LOSS, POSITION, QUANT, SOFTMAX
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    position: str = "learned"
+    attention: str = "stock"
+    softmax: str = "stock"
+    loss: str = "stock"
+    quant: str = "none"
+    quant_act_bits: int | None = None
+    checkpoint: str = "none"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key, registry in (
+            ("position", POSITION),
+            ("attention", ATTENTION),
+            ("softmax", SOFTMAX),
+            ("loss", LOSS),
+            ("quant", QUANT),
+            ("checkpoint", CHECKPOINT),
+        ):
+            registry.check(getattr(self, key))
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{key} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"model.label_smoothing must be in [0, 1], got {self.label_smoothing}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GPTConfig:
+        """Build from a (Hydra) mapping, ignoring keys that are not config fields (e.g. ``name``)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in dict(d).items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
+        self.attend = ATTENTION.get(cfg.attention)
+        self.softmax = SOFTMAX.get(cfg.softmax)
+
+    def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = pos.rotate(q, k)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0, self.softmax)  # (B, H, T, D)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
+        x = x + self.attn(self.ln_1(x), pos)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        wrap = CHECKPOINT.get(cfg.checkpoint)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = POSITION.get(cfg.position)(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(wrap(Block(cfg)) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.loss_fn = LOSS.get(cfg.loss)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        QUANT.get(cfg.quant)(self, cfg.quant_act_bits)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.wte.weight  # tied embeddings
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(p.numel() for name, p in self.named_parameters() if name.startswith("pos."))
+        return n
+
+    def hidden(self, idx: Tensor) -> Tensor:
+        """Final hidden states (B, T, C) after ln_f."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} is longer than model.block_size={self.config.block_size}")
+        x = self.drop(self.pos.embed(self.wte(idx)))
+        for block in self.blocks:
+            x = block(x, self.pos)
+        return self.ln_f(x)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """With ``targets`` (B, T): the mean cross-entropy loss (positions with target -100 ignored; the
+        ``fused_linear`` loss never materialises the logits). Without: the logits (B, T, vocab)."""
+        h = self.hidden(idx)
+        if targets is None:
+            return F.linear(h, self.lm_head_weight)
+        C = h.shape[-1]
+        return self.loss_fn(
+            h.reshape(-1, C), self.lm_head_weight, targets.reshape(-1), self.config.label_smoothing
+        )
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), PaLM / nanoGPT formula: 6 N + 12 L H Q T
+        (N = parameters incl. the tied head, L layers, H heads, Q head size, T sequence length). Counts the
+        full (not causal-halved) attention and no recompute (so MFU, not HFU)."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        n = sum(p.numel() for p in self.parameters())
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); with ``generator`` the global RNG is
+        left untouched."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.config.block_size :]
+            logits = F.linear(self.hidden(ctx)[:, -1, :], self.lm_head_weight).float() / max(
+                temperature, 1e-6
+            )
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

@@ -1,0 +1,159 @@
+"""The choices for each pluggable part of the GPT, one registry entry per choice.
+
+Adding a choice is one ``REGISTRY.register(name)(impl)`` line. The ``stock`` choices use PyTorch only;
+the fused ones import ``fusedlayers`` lazily (on first call), so the stock paths never depend on it.
+
+Interfaces (all tensors (B, H, T, D) for attention):
+
+- ``SOFTMAX[name](scores, scale) -> probs``: causal (top-left) ``softmax(scores * scale)`` over the last dim.
+- ``ATTENTION[name](q, k, v, dropout_p, softmax) -> y``: causal attention; ``softmax`` is the
+  ``SOFTMAX`` choice (only the ``stock`` attention, which spells the math out, uses it).
+- ``LOSS[name](hidden (N, C), weight (V, C), targets (N,), label_smoothing) -> mean loss``: cross entropy of
+  ``hidden @ weight.T`` against ``targets`` (``-100`` = ignore).
+- ``QUANT[name](model, act_bits) -> None``: prepares ``model``'s Linear layers in place for
+  quantization-aware training (the same parameters; the LM head, tied to the embedding, stays float).
+- ``CHECKPOINT[name](block) -> nn.Module``: the transformer block, wrapped for activation checkpointing
+  (``fl.CheckpointedBlock`` keeps the block's parameter names); ``selective`` keeps matmul/attention
+  outputs and recomputes only the cheap ops.
+- ``POSITION[name](config) -> nn.Module`` with ``embed(x)`` (add position information to token
+  embeddings (B, T, C)) and ``rotate(q, k)`` (apply it to queries and keys).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.registry import Registry
+
+SOFTMAX = Registry("model.softmax", "the softmax inside `stock` attention")
+ATTENTION = Registry("model.attention", "causal self-attention core")
+LOSS = Registry("model.loss", "language-model head + cross entropy")
+QUANT = Registry("model.quant", "quantization-aware training of the Linear layers")
+CHECKPOINT = Registry("model.checkpoint", "activation checkpointing")
+POSITION = Registry("model.position", "position information")
+
+REGISTRIES = {r.key.split(".", 1)[1]: r for r in (ATTENTION, SOFTMAX, LOSS, QUANT, CHECKPOINT, POSITION)}
+
+
+def _fl():
+    import fusedlayers
+
+    return fusedlayers
+
+
+# --------------------------------------------------------------------------------------------- softmax
+_causal_masks: dict[tuple[int, int, torch.device], Tensor] = {}
+
+
+def causal_mask(L: int, S: int, device: torch.device) -> Tensor:
+    """Bool (L, S), True = keep: query i sees keys j <= i (top-left aligned, as SDPA's is_causal)."""
+    key = (L, S, device)
+    mask = _causal_masks.get(key)
+    if mask is None:
+        mask = _causal_masks[key] = torch.ones(L, S, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+@SOFTMAX.register("stock")
+def stock_softmax(scores: Tensor, scale: float) -> Tensor:
+    mask = causal_mask(scores.shape[-2], scores.shape[-1], scores.device)
+    return torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
+
+
+SOFTMAX.register("custom")(
+    lambda scores, scale: _fl().scaled_masked_softmax(scores, scale=scale, is_causal=True)
+)
+
+
+# ------------------------------------------------------------------------------------------- attention
+@ATTENTION.register("stock")
+def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: Callable) -> Tensor:
+    probs = softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(q.shape[-1]))
+    probs = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    return probs @ v
+
+
+ATTENTION.register("sdpa")(
+    lambda q, k, v, dropout_p, softmax: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True
+    )
+)
+ATTENTION.register("custom")(
+    lambda q, k, v, dropout_p, softmax: _fl().scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+LOSS.register("stock")(
+    lambda h, w, t, label_smoothing: F.cross_entropy(F.linear(h, w), t, label_smoothing=label_smoothing)
+)
+LOSS.register("custom")(
+    lambda h, w, t, label_smoothing: _fl().cross_entropy(F.linear(h, w), t, label_smoothing=label_smoothing)
+)
+LOSS.register("fused_linear")(
+    lambda h, w, t, label_smoothing: _fl().linear_cross_entropy(h, w, t, label_smoothing=label_smoothing)
+)
+
+
+# ---------------------------------------------------------------------------------------- quantization
+QUANT.register("none")(lambda model, act_bits: None)
+QUANT.register("int8")(lambda model, act_bits: _fl().qat.prepare(model, weight_bits=8, act_bits=act_bits))
+QUANT.register("int4")(  # torchao's 8da4w-style weights: int4, one scale per 32 input features
+    lambda model, act_bits: _fl().qat.prepare(
+        model, weight_bits=4, act_bits=act_bits, granularity="per_group", group_size=32
+    )
+)
+
+
+# ----------------------------------------------------------------------------------------- checkpoint
+CHECKPOINT.register("none")(lambda block: block)
+CHECKPOINT.register("full")(lambda block: _fl().CheckpointedBlock(block, policy="full"))
+CHECKPOINT.register("selective")(lambda block: _fl().CheckpointedBlock(block, policy="selective"))
+
+
+# ------------------------------------------------------------------------------------------- position
+@POSITION.register("learned")
+class LearnedPositions(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def embed(self, x: Tensor) -> Tensor:
+        return x + self.wpe(torch.arange(x.shape[1], device=x.device))
+
+    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+
+@POSITION.register("rotary")
+class RotaryPositions(nn.Module):
+    """Rotary position embedding (RoPE, half-split layout) on queries and keys; no parameters."""
+
+    def __init__(self, cfg, base: float = 10000.0) -> None:
+        super().__init__()
+        head_dim = cfg.n_embd // cfg.n_head
+        if head_dim % 2:
+            raise ValueError(f"model.position=rotary needs an even head size, got n_embd/n_head = {head_dim}")
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def embed(self, x: Tensor) -> Tensor:
+        return x
+
+    def _rot(self, x: Tensor) -> Tensor:
+        T = x.shape[-2]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self._rot(q), self._rot(k)

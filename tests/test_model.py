@@ -1,0 +1,276 @@
+"""Model level: every layer choice gives the all-stock model's loss and parameter gradients (float64,
+dropout off, same weights and batch), keeps its parameter names/shapes, and stays causal."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from models.callbacks import peak_flops
+from models.data import CharTokenizer, RandomWindows, SequentialWindows
+from models.gpt import GPT, GPTConfig
+from models.layers import ATTENTION, CHECKPOINT, LOSS, POSITION, REGISTRIES, SOFTMAX
+from models.lit import lr_lambda
+
+STOCK = dict(attention="stock", softmax="stock", loss="stock", quant="none", checkpoint="none")
+SMALL = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)  # head dim 16
+# every registered choice that has a stock twin with the same math (quant changes the math on purpose)
+PARITY = [
+    (key, name)
+    for key in ("attention", "softmax", "loss", "checkpoint")
+    for name in REGISTRIES[key].names()
+    if name != STOCK[key]
+]
+
+
+def _batch(B: int = 3, T: int = 16, V: int = 37, ignore: bool = True):
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, V, (B, T), generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    if ignore:
+        targets[0, :3] = -100  # ignored positions must be ignored by every loss
+    return idx, targets
+
+
+def _loss_and_grads(model: GPT, idx, targets):
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("position", POSITION.names())
+@pytest.mark.parametrize(("key", "name"), PARITY, ids=[f"{k}={n}" for k, n in PARITY])
+def test_choice_matches_stock(key: str, name: str, position: str) -> None:
+    torch.manual_seed(0)
+    stock = GPT(GPTConfig(**SMALL, **STOCK, position=position)).double()
+    other = GPT(GPTConfig(**SMALL, **{**STOCK, key: name}, position=position)).double()
+    other.load_state_dict(stock.state_dict())  # strict: same parameter names and shapes
+    assert [(n, p.shape) for n, p in other.named_parameters()] == [
+        (n, p.shape) for n, p in stock.named_parameters()
+    ]
+    idx, targets = _batch()
+    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
+    loss_o, grads_o = _loss_and_grads(other, idx, targets)
+    assert math.isfinite(loss_s.item()) and loss_s.item() > 1.0  # not trivially zero
+    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
+    assert grads_o.keys() == grads_s.keys()
+    for n in grads_s:
+        assert grads_s[n].abs().max() > 0, n  # every parameter really gets a gradient
+        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    # logits (inference path) too
+    stock.eval(), other.eval()
+    torch.testing.assert_close(other(idx), stock(idx), rtol=1e-10, atol=1e-12)
+
+
+QUANT_STOCK = {  # name -> (bits, group size or None for per output channel): what the stock twin does
+    "int8": (8, None),
+    "int4": (4, 32),
+}
+
+
+def _stock_fake_quant(weight, bits: int, group: int | None):
+    """Symmetric fake quantization in plain torch ops, as torch.fake_quantize_per_channel_affine computes it
+    (round(w * (1 / scale)) half to even, clamp, straight-through estimator with the clipping mask), scale
+    max|w| / ((qmax - qmin) / 2) computed in fp32 per output channel or per group. (torch's own op takes the
+    inverse scale in float32, which moves float64 values near a rounding boundary; here it is float64.)"""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    w = weight.reshape(-1, group) if group else weight
+    amax = w.detach().float().abs().amax(1, keepdim=True)
+    scale = (amax / ((qmax - qmin) / 2)).clamp_min(torch.finfo(torch.float32).eps).to(w.dtype)
+    r = torch.round(w.detach() * (1.0 / scale))
+    keep = (r >= qmin) & (r <= qmax)
+    wq = r.clamp(qmin, qmax) * scale + (w - w.detach()) * keep
+    return wq.reshape(weight.shape)
+
+
+@pytest.mark.parametrize("quant", [n for n in REGISTRIES["quant"].names() if n != "none"])
+def test_quant_matches_stock_fake_quantization(quant: str) -> None:
+    bits, group = QUANT_STOCK[quant]
+    torch.manual_seed(0)
+    stock = GPT(GPTConfig(**SMALL)).double()
+    other = GPT(GPTConfig(**SMALL, quant=quant)).double()
+    other.load_state_dict(stock.state_dict())
+    assert [(n, p.shape) for n, p in other.named_parameters()] == [
+        (n, p.shape) for n, p in stock.named_parameters()
+    ]
+    linears = [m for m in stock.modules() if type(m) is torch.nn.Linear]
+    assert len(linears) == 4 * SMALL["n_layer"]
+    for lin in linears:  # the stock twin: every Linear computes with torch's fake-quantized weight
+        lin.forward = lambda x, lin=lin: torch.nn.functional.linear(
+            x, _stock_fake_quant(lin.weight, bits, group), lin.bias
+        )
+    idx, targets = _batch()
+    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
+    loss_o, grads_o = _loss_and_grads(other, idx, targets)
+    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
+    for n in grads_s:
+        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    # and the quantization really changes the model (this is not the float model)
+    plain = GPT(GPTConfig(**SMALL)).double()
+    plain.load_state_dict(other.state_dict())
+    assert (plain(idx, targets) - loss_o).abs() > 1e-6
+
+
+def test_stock_loss_is_cross_entropy_of_the_logits() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL)).double()
+    idx, targets = _batch()
+    ref = torch.nn.functional.cross_entropy(model(idx).reshape(-1, SMALL["vocab_size"]), targets.reshape(-1))
+    torch.testing.assert_close(model(idx, targets), ref)
+
+
+@pytest.mark.parametrize("softmax", SOFTMAX.names())
+@pytest.mark.parametrize("attention", ATTENTION.names())
+def test_attention_is_causal(attention: str, softmax: str) -> None:
+    """Changing a future token never changes the logits of earlier positions."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, attention=attention, softmax=softmax)).double().eval()
+    idx, _ = _batch(ignore=False)
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % SMALL["vocab_size"]
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=1e-12)
+    assert (a[:, 10] - b[:, 10]).abs().max() > 1e-6
+
+
+def test_every_choice_combination_has_the_same_parameters() -> None:
+    names = None
+    for att in ATTENTION.names():
+        for loss in LOSS.names():
+            for ck in CHECKPOINT.names():
+                m = GPT(GPTConfig(**SMALL, attention=att, loss=loss, checkpoint=ck))
+                shapes = [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+                assert names is None or shapes == names
+                names = shapes
+
+
+@pytest.mark.parametrize("key", ["attention", "softmax", "loss", "quant", "checkpoint", "position"])
+def test_unknown_choice_lists_valid_names(key: str) -> None:
+    valid = ", ".join(REGISTRIES[key].names())
+    with pytest.raises(ValueError, match=f"unknown model.{key}='nope'; valid names: {valid}$"):
+        GPTConfig(**SMALL, **{key: "nope"})
+
+
+def test_bad_model_sizes() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(**{**SMALL, "n_head": 3})
+    with pytest.raises(ValueError, match="dropout"):
+        GPTConfig(**{**SMALL, "dropout": 1.5})
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(GPTConfig(**SMALL))(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_rotary_has_no_position_parameters_and_learned_has_them() -> None:
+    learned = {n for n, _ in GPT(GPTConfig(**SMALL, position="learned")).named_parameters()}
+    rotary = {n for n, _ in GPT(GPTConfig(**SMALL, position="rotary")).named_parameters()}
+    assert learned - rotary == {"pos.wpe.weight"}
+
+
+def test_tied_embeddings_and_scaled_init() -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**SMALL, "n_layer": 8, "n_embd": 64})
+    m = GPT(cfg)
+    assert m.lm_head_weight is m.wte.weight
+    std = m.blocks[0].attn.proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.002
+    assert abs(m.blocks[0].mlp.fc.weight.std().item() - 0.02) < 0.002
+
+
+def test_generate_is_seeded_and_leaves_global_rng_alone() -> None:
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**SMALL)).eval()
+    state = torch.get_rng_state()
+    a = m.generate(torch.zeros(1, 1, dtype=torch.long), 20, generator=torch.Generator().manual_seed(3))
+    b = m.generate(torch.zeros(1, 1, dtype=torch.long), 20, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (1, 21)
+    assert torch.equal(torch.get_rng_state(), state)
+    long = m.generate(torch.zeros(1, 1, dtype=torch.long), 30, top_k=3, generator=torch.Generator())
+    assert long.shape == (1, 31)  # longer than block_size: the context is cropped
+
+
+def test_flops_per_token_formula() -> None:
+    cfg = GPTConfig(**SMALL)
+    m = GPT(cfg)
+    n = sum(p.numel() for p in m.parameters())
+    assert m.flops_per_token() == 6 * n + 12 * 2 * 2 * 16 * 16
+
+
+def test_lr_schedule() -> None:
+    lrs = [lr_lambda(s, 10, 100, 0.1) for s in range(120)]
+    assert lrs[0] < lrs[5] < lrs[9] < 1.0 and abs(lrs[10] - 1.0) < 1e-12
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert abs(lrs[55] - 0.55) < 1e-12 and lrs[100] == lrs[119] == 0.1
+
+
+def test_peak_flops_table() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989e12
+    assert peak_flops("NVIDIA H200", "bf16-mixed") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16-mixed") == 756e12
+    assert peak_flops("cpu", "bf16-mixed") is None
+
+
+def test_random_windows_are_a_function_of_the_batch_index() -> None:
+    tokens = np.arange(1000, dtype=np.uint16)
+    seen = [0]
+    w = RandomWindows(tokens, block_size=8, batch_size=4, batches_per_epoch=5, seed=7, start=lambda: seen[0])
+    first = list(w)
+    assert len(first) == 5
+    x, y = first[0]
+    assert x.shape == (4, 8) and torch.equal(y[:, :-1], x[:, 1:])  # y is x shifted by one
+    seen[0] = 7  # resumed after 7 batches: the rest of the 2nd epoch
+    rest = list(w)
+    assert len(rest) == 3
+    assert torch.equal(rest[0][0], w.batch(7)[0]) and not torch.equal(w.batch(7)[0], w.batch(8)[0])
+    other_rank = RandomWindows(tokens, 8, 4, 5, seed=7, start=lambda: 0, rank=1)
+    assert not torch.equal(other_rank.batch(0)[0], first[0][0])
+
+
+def test_sequential_windows_cover_val_without_overlap() -> None:
+    tokens = np.arange(100, dtype=np.uint16)
+    ds = SequentialWindows(tokens, block_size=10)
+    assert len(ds) == 9
+    xs = torch.cat([ds[i][0] for i in range(len(ds))])
+    assert torch.equal(xs, torch.arange(90))
+    assert len(SequentialWindows(tokens, 10, max_windows=3)) == 3
+
+
+def test_char_tokenizer_roundtrip() -> None:
+    tok = CharTokenizer.train("hello world\n")
+    assert tok.decode(tok.encode("hold")) == "hold" and tok.vocab_size == 9
+    with pytest.raises(ValueError, match="not in the tokenizer"):
+        tok.encode("z")
+
+
+def test_bpe_tokenizer_roundtrip() -> None:
+    pytest.importorskip("tokenizers")
+    from models.data import BPETokenizer, tokenizer_from_json
+
+    text = "In the beginning God created the heaven and the earth.\n" * 50
+    tok = BPETokenizer.train(text, 300)
+    ids = tok.encode("the heaven and the earth")
+    assert len(ids) < len("the heaven and the earth")  # merges learned
+    again = tokenizer_from_json(tok.to_json())
+    assert again.decode(ids) == "the heaven and the earth"
+
+
+def test_stock_paths_do_not_import_fusedlayers() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from models.gpt import GPT, GPTConfig\n"
+        "from models.lit import GPTLitModule\n"
+        "from models.training import train\n"
+        "m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=32, position='rotary'))\n"
+        "m(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)).backward()\n"
+        "assert 'fusedlayers' not in sys.modules, 'stock model imported fusedlayers'\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
