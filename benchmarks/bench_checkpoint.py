@@ -18,7 +18,7 @@ and the peak during the step ((peak - memory before) / L; it includes one block'
 backward's temporaries), next to the formula s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022,
 attention probabilities materialised; SDPA's fused kernels never store them, so no run here reaches it).
 
-    python benchmarks/bench_checkpoint.py [--out DIR] [--dropout 0.0 0.1]
+    python benchmarks/bench_checkpoint.py [--out DIR] [--dropout 0.0 0.1] [--batch 8 16]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import os
 import platform
 import re
@@ -64,9 +65,9 @@ class GPTBlock(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, wrap, p: float) -> None:
+    def __init__(self, wrap, p: float, d: int = D, heads: int = HEADS) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(GPTBlock(D, HEADS, p) for _ in range(L))
+        self.blocks = nn.ModuleList(GPTBlock(d, heads, p) for _ in range(L))
         self.wrap = wrap
 
     def forward(self, x):
@@ -108,11 +109,12 @@ VARIANTS = {
 }
 
 
-def build(name: str, p: float):
+def build(name: str, p: float, shape: tuple[int, int, int, int] | None = None):
+    b, t, d, heads = shape or (B, T, D, HEADS)
     torch.manual_seed(0)
-    model = Stack(VARIANTS[name], p).cuda().to(torch.bfloat16)
-    x = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16)
+    model = Stack(VARIANTS[name], p, d, heads).cuda().to(torch.bfloat16)
+    x = torch.randn(b, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(b, t, d, device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
     for param in model.parameters():  # gradients allocated once, outside the measured memory
         param.grad = torch.zeros_like(param)
@@ -139,11 +141,13 @@ def measure(name: str, p: float) -> dict:
     del y
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    ms = do_bench(step, warmup=200, rep=1500, return_mode="median")
-    result = dict(name=name, ms=ms, stored=stored / L, peak=peak / L)
+    ms = do_bench(step, warmup=200, rep=1000, return_mode="median")
     del model, x, dy, step
+    # Host cost of a step: the same step on tiny tensors (B=1, T=16, d=64), where the GPU idles.
+    _, _, _, tiny = build(name, p, (1, 16, 64, 2))
+    host_ms = do_bench(tiny, warmup=100, rep=500, return_mode="median")
     torch.cuda.empty_cache()
-    return result
+    return dict(name=name, ms=ms, stored=stored / L, peak=peak / L, host_ms=host_ms)
 
 
 def gradient_check(p: float) -> list[str]:
@@ -186,20 +190,20 @@ def table(rows: list[dict], p: float) -> str:
     formula = sbh * (34 + 5 * HEADS * T / D)
     none = next(r for r in rows if r["name"] == "none")
     peers = {"fl full": "torch", "fl selective": "torch SAC", "fl wide-mm": "torch SAC"}
-    out = [f"### dropout {p}\n",
+    out = [f"### B={B}, dropout {p}\n",
            f"Formula s*b*h*(34 + 5*a*s/h) = {formula / 2**20:.0f} MiB per layer "
            f"(= {formula / sbh:.0f} sbh bytes); 2*s*b*h = {2 * sbh / 2**20:.0f} MiB; "
            f"attention op: {attention_op(p)}.\n",
            "| variant | step ms | vs none | act. MiB/layer (after fwd) | sbh bytes | vs none | "
-           "peak MiB/layer | vs peer (time, act. memory) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "peak MiB/layer | host ms/step (tiny) | vs peer (time, act. memory) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peer = next((q for q in rows if q["name"] == peers.get(r["name"])), None)
         vs_peer = (f"{peers[r['name']]}: {r['ms'] / peer['ms']:.3f}x time, {r['stored'] / peer['stored']:.3f}x mem"
                    if peer else "")
         out.append(f"| {r['name']} | {r['ms']:.2f} | {r['ms'] / none['ms'] - 1:+.1%} | {r['stored'] / 2**20:.1f} | "
                    f"{r['stored'] / sbh:.2f} | {r['stored'] / none['stored'] - 1:+.1%} | {r['peak'] / 2**20:.1f} | "
-                   f"{vs_peer} |")
+                   f"{r['host_ms']:.2f} | {vs_peer} |")
     return "\n".join(out) + "\n"
 
 
@@ -225,9 +229,11 @@ def targets(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    global B
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="directory for <device>-checkpoint.md")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--batch", type=int, nargs="+", default=[B], help="batch sizes (the issue's is 8)")
     parser.add_argument("--no-check", action="store_true", help="skip the gradient comparison")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
@@ -236,8 +242,12 @@ def main() -> None:
             f"activations, B={B}, T={T}, d={D}, {HEADS} heads; a step is forward + backward (random grad "
             f"of the output) + SGD update, do_bench median. 'act.' = memory held between forward and backward "
             f"per layer; 'peak' = step peak over the memory before forward, per layer. sbh = s*b*h.\n\n")
+    text += ("'host ms/step (tiny)' is the same step on B=1, T=16, d=64 tensors, where the GPU waits on the CPU: "
+             "the host's cost of launching a step; a variant whose host cost exceeds the GPU time of the real step "
+             "is bound by the CPU.\n\n")
     print(text, flush=True)
-    for p in args.dropout:
+    for batch, p in itertools.product(args.batch, args.dropout):
+        B = batch  # the module-level batch size that build() and table() read
         rows, failed = [], []
         for name in VARIANTS:
             try:
@@ -255,13 +265,13 @@ def main() -> None:
             part += "\n".join(f"- {line}" for line in lines) + "\n"
         print(part, flush=True)
         text += part + "\n"
-    if args.out:
-        short = re.search(r"\b([a-z]\d{2,4})\b", device.lower())  # "NVIDIA H100 80GB HBM3" -> h100
-        slug = short.group(1) if short else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-        path = os.path.join(args.out, f"{slug}-checkpoint.md")
-        with open(path, "w") as f:
-            f.write(text)
-        print("wrote", path)
+        if args.out:  # after each configuration, so a cut-off run keeps what it measured
+            short = re.search(r"\b([a-z]\d{2,4})\b", device.lower())  # "NVIDIA H100 80GB HBM3" -> h100
+            slug = short.group(1) if short else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+            path = os.path.join(args.out, f"{slug}-checkpoint.md")
+            with open(path, "w") as f:
+                f.write(text)
+            print("wrote", path, flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory a
 forward+backward beyond the inputs. Shapes (issue 3): bf16, D in {64, 128}, L = S in {1024, 4096, 16384},
 batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
-    python benchmarks/bench_scaled_dot_product_attention.py [--out FILE.md] [--sweep] [--quick]
+    python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. FlashAttention's own package is not installed
@@ -212,8 +212,19 @@ def sweep(lengths, workers):
 # ----------------------------------------------------------------------------- table
 
 
+def device_tag() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "a100", "l40s", "b200"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
 def table(best, out_path, quick):
     rows = []
+    ratios = {"fwd": [], "fwd+bwd": []}
+    cudnn = {"fwd": [], "fwd+bwd": []}
+    memory = []
     print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | fl/flash | fl/best peer | "
           "peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
@@ -239,6 +250,12 @@ def table(best, out_path, quick):
                    f"{fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | {ratio_flash} | {ratio_best} | {mem} |")
             rows.append(row)
             print(row, flush=True)
+            if tf["fl"] and tf["flash"]:
+                ratios[mode].append((tf["fl"] / tf["flash"], d, length, causal))
+            if tf["fl"] and tf["cudnn"]:
+                cudnn[mode].append((tf["fl"] / tf["cudnn"], d, length, causal))
+            if mode == "fwd+bwd" and length == max(x[2] for x in shapes(quick)) and res["fl"] and res["flash"]:
+                memory.append((res["fl"][2] / res["flash"][2], d, causal))
     header = (
         f"# scaled_dot_product_attention on {torch.cuda.get_device_name()}\n\n"
         f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -252,6 +269,19 @@ def table(best, out_path, quick):
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
     lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | fl/flash | fl/best peer | "
              "peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
+               "flash at the longest L):", ""]
+    for mode in ("fwd", "fwd+bwd"):
+        if ratios[mode]:
+            lo, hi = min(ratios[mode]), max(ratios[mode])
+            summary.append(f"- {mode}: fl/flash {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
+        if cudnn[mode]:
+            lo, hi = min(cudnn[mode]), max(cudnn[mode])
+            summary.append(f"- {mode}: fl/cuDNN {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
+    for ratio, d, causal in memory:
+        summary.append(f"- peak memory fl/flash at the longest L, D={d} causal={causal}: {ratio:.2f}")
+    print("\n".join(summary), flush=True)
+    lines += summary
     if out_path:
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
@@ -261,7 +291,8 @@ def table(best, out_path, quick):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results file (or --out-dir: <dir>/<device>-<op>.md)")
+    ap.add_argument("--out-dir", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-lengths", default="4096")
     ap.add_argument("--quick", action="store_true")
@@ -273,7 +304,10 @@ def main():
     if not args.sweep:  # compile the default configs in parallel before timing
         precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128)
                     for causal in (False, True)], args.workers)
-    table(best, args.out, args.quick)
+    out = args.out
+    if out is None and args.out_dir is not None:
+        out = os.path.join(args.out_dir, f"{device_tag()}-scaled_dot_product_attention.md")
+    table(best, out, args.quick)
 
 
 if __name__ == "__main__":

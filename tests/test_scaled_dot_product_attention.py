@@ -477,6 +477,15 @@ def test_triton_kernels_interpreter(case, dtype):
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernels_negative_scale(dtype):
+    """A negative scale turns the row max into a min: the 16-bit kernels' shortcut (max of q.k, then
+    scale) must not be taken."""
+    q, k, v, _ = make_inputs(1, 2, 2, 35, 40, 16, 16, dtype)
+    check_parity(q, k, v, None, False, scale=-0.7, backend="triton")
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 def test_triton_kernels_match_reference_with_dropout():
     """The kernels' dropout mask is the reference's (same Philox), so the two paths agree."""
     q, k, v, m = make_inputs(1, 4, 2, 35, 41, 32, 32, torch.float32, mask="float", mask_grad=True)

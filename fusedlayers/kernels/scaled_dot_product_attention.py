@@ -119,13 +119,16 @@ def _dropout_keep(seed0, seed1, rows, cols, bh, threshold):
 
 @triton.jit
 def _masked_scores(
-    qk, qk_scale, mask_ptrs, rows, cols, L, S,
+    qk, qk_scale, mask_base, stride_mm, stride_mn, rows, cols, L, S,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     NATURAL: tl.constexpr,
 ):
-    """(rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units."""
+    """(rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units.
+    The mask's addresses are formed here from the (b, h) base (not carried across the loop as a tile of
+    64-bit pointers, which costs registers)."""
     s = qk * qk_scale
     if HAS_MASK:
+        mask_ptrs = mask_base + rows[:, None] * stride_mm + cols[None, :] * stride_mn
         if CHECK_KEYS:
             mv = tl.load(mask_ptrs, mask=(rows[:, None] < L) & (cols[None, :] < S), other=0)
         else:
@@ -153,27 +156,31 @@ def _fwd_inner(
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FAST_MAX: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_ptrs = mask_base + offs_m[:, None] * stride_mm + (lo + offs_n)[None, :] * stride_mn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
         qk = _mm(q, tl.trans(k), IEEE)
         if CHECK_KEYS or CAUSAL or HAS_MASK:
-            s = _masked_scores(qk, qk_scale, mask_ptrs, offs_m, cols, L, S, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL,
-                               IEEE)
+            s = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, CHECK_KEYS, CAUSAL,
+                               HAS_MASK, MASK_BOOL, IEEE)
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             # a row with every key masked so far keeps m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = _exp(s - m_sub[:, None], IEEE)
+        elif FAST_MAX:  # base 2 and scale >= 0: the row max of qk, then one FMA per score
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_ij
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         else:
             s = qk * qk_scale
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_ij
-        p = _exp(s - m_sub[:, None], IEEE)
+            p = _exp(s - m_sub[:, None], IEEE)
         alpha = _exp(m_i - m_sub, IEEE)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -185,7 +192,6 @@ def _fwd_inner(
         m_i = m_ij
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-        mask_ptrs += BLOCK_N * stride_mn
     return acc, l_i, m_i
 
 
@@ -198,7 +204,7 @@ def _attn_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, FAST_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -238,13 +244,13 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, mask_base, 0, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, BLOCK_N,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, BLOCK_N,
     )
 
     # rows with every key masked have l = 0 and acc = 0: output 0, logsumexp +inf
@@ -443,7 +449,6 @@ def _bwd_dq_inner(
 ):
     k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_ptrs = mask_base + offs_m[:, None] * stride_mm + (lo + offs_n)[None, :] * stride_mn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -451,8 +456,8 @@ def _bwd_dq_inner(
         v = _load2d(v_ptrs, cols, S, offs_dv, DV, CHECK_KEYS, not EVEN_DV)
         qk = _mm(q, tl.trans(k), IEEE)
         if CHECK_KEYS or CAUSAL or HAS_MASK:
-            s = _masked_scores(qk, qk_scale, mask_ptrs, offs_m, cols, L, S, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL,
-                               IEEE)
+            s = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, CHECK_KEYS, CAUSAL,
+                               HAS_MASK, MASK_BOOL, IEEE)
         else:
             s = qk * qk_scale
         p = _exp(s - lse2[:, None], IEEE)
@@ -464,7 +469,6 @@ def _bwd_dq_inner(
         dq = _mma(ds.to(k.dtype), k, dq, IEEE)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-        mask_ptrs += BLOCK_N * stride_mn
     return dq
 
 
@@ -545,9 +549,18 @@ def _head_block(d: int) -> int:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on CUDA, by padded head dim.
 # BLOCK_M is the query block, BLOCK_N the key block, in every kernel. Checked to compile for sm_90 without
 # register spills (forward, dQ) or with few (dK/dV at D = 256).
+# The D <= 128 entries are the fastest of the candidates timed on an H200 (bf16, L = 4096; see
+# benchmarks/bench_scaled_dot_product_attention.py --sweep); causal gets its own where it differs.
 _FWD = {64: Config(128, 64, 4, 3), 128: Config(128, 64, 8, 3), 256: Config(64, 64, 8, 2)}
-_DKDV = {64: Config(64, 128, 8, 2), 128: Config(32, 128, 8, 2), 256: Config(32, 32, 8, 1)}
-_DQ = {64: Config(128, 64, 8, 2), 128: Config(128, 64, 8, 2), 256: Config(64, 32, 4, 2)}
+_DKDV = {64: Config(32, 64, 4, 2), 128: Config(32, 128, 8, 2), 256: Config(32, 32, 8, 1)}
+_DKDV_CAUSAL = {64: Config(32, 64, 4, 3)}
+_DQ = {64: Config(128, 64, 8, 2), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2)}
+_DQ_CAUSAL = {64: Config(64, 64, 4, 3), 128: Config(64, 32, 4, 3)}
+# With an attn_mask tile in flight the kernels need more registers: configs that compile without (or with
+# a few bytes of) register spills for sm_90.
+_FWD_MASK = {64: Config(128, 64, 8, 3), 128: Config(128, 32, 8, 3)}
+_DKDV_MASK = {128: Config(16, 128, 8, 2)}
+_DQ_MASK = {128: Config(64, 32, 4, 3)}
 # fp32 inputs (IEEE dots, twice the bytes per element): smaller tiles.
 _FWD_FP32 = {64: Config(64, 32, 8, 1), 128: Config(32, 32, 4, 1), 256: Config(16, 16, 4, 1)}
 _DKDV_FP32 = {128: Config(16, 32, 4, 1), 256: Config(16, 16, 4, 1)}
@@ -560,7 +573,8 @@ def _pick(table: dict, bd: int) -> Config:
     return next(cfg for limit, cfg in sorted(table.items()) if bd <= limit)
 
 
-def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, is_causal: bool) -> Config:
+def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, is_causal: bool,
+                  has_mask: bool = False) -> Config:
     """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); the module-level overrides win (tuning)."""
     override = {"fwd": FWD_CONFIG, "dkdv": BWD_DKDV_CONFIG, "dq": BWD_DQ_CONFIG}[kind]
     if override is not None:
@@ -572,6 +586,10 @@ def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, d
         table = {"fwd": _FWD_FP32, "dkdv": _DKDV_FP32, "dq": _DQ_FP32}[kind]
     else:
         table = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}[kind]
+        if is_causal:
+            table = {**table, **{"fwd": {}, "dkdv": _DKDV_CAUSAL, "dq": _DQ_CAUSAL}[kind]}
+        if has_mask:
+            table = {**table, **{"fwd": _FWD_MASK, "dkdv": _DKDV_MASK, "dq": _DQ_MASK}[kind]}
     return _pick(table, bd)
 
 
@@ -606,7 +624,7 @@ def attention_forward(
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal)
+    cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     bd, bdv = _head_block(D), _head_block(DV)
@@ -617,6 +635,7 @@ def attention_forward(
         H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32,
+        FAST_MAX=q.dtype != torch.float32 and scale >= 0.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_DV=bdv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -655,7 +674,7 @@ def attention_backward(
     scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
     if need_dk or need_dv or need_dmask:
-        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal)
+        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None)
         _attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H_kv)](
             q, k, v, grad_out, lse, delta, dk if need_dk else q, dv if need_dv else q, mask_t,
             ds if need_dmask else delta, *strides, *scalars,
@@ -663,7 +682,7 @@ def attention_backward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if need_dq:
-        cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal)
+        cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
         _attn_bwd_dq_kernel[(triton.cdiv(L, cfg.block_m), B * H)](
             q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *scalars, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
