@@ -148,7 +148,11 @@ class GPTLitModule(L.LightningModule):
             {"params": decay, "weight_decay": o["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        fused = o["fused"] if o["fused"] is not None else all(p.is_cuda for p in decay + no_decay)
+        fused = o["fused"]
+        if fused is None:  # fused AdamW on CUDA, except where Lightning refuses it: mixed precision + clipping
+            clipping = bool(self.trainer.gradient_clip_val) if self._trainer is not None else False
+            mixed = self._trainer is not None and "mixed" in str(self.trainer.precision)
+            fused = all(p.is_cuda for p in decay + no_decay) and not (clipping and mixed)
         opt = torch.optim.AdamW(
             groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=fused or None
         )
