@@ -1,0 +1,167 @@
+"""End-to-end: train steps of gpt-small with stock, compiled and fused layers, in one run (issue 8).
+
+gpt-small (12 layers, 12 heads, 768 wide, T=1024, vocabulary 50304), bf16 autocast, fused AdamW, random token
+batches. Per variant: tokens/s, MFU (6N + 12LHQT FLOPs/token over the device's dense bf16 peak), peak memory
+and time per step, timed with CUDA events after warm-up (compiled variants: no recompiles allowed while timed).
+
+    python benchmarks/bench_model.py --out benchmarks/results/h200-model.md [--profile] [--batch 16]
+    python benchmarks/bench_model.py --smoke        # CPU, tiny model: checks the script runs
+
+``--profile`` adds torch.profiler's top kernels of the all-fused model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from contextlib import nullcontext
+
+import torch
+
+from models.callbacks import peak_flops
+from models.gpt import GPT, GPTConfig
+
+FUSED = dict(attention="custom", loss="fused_linear")
+VARIANTS = [  # (name, model overrides, torch.compile mode or None)
+    ("stock", {}, None),
+    ("stock + compile", {}, "default"),
+    ("sdpa", dict(attention="sdpa"), None),
+    ("attention=custom", dict(attention="custom"), None),
+    ("softmax=custom (stock attention)", dict(softmax="custom"), None),
+    ("loss=custom", dict(loss="custom"), None),
+    ("loss=fused_linear", dict(loss="fused_linear"), None),
+    ("checkpoint=selective", dict(checkpoint="selective"), None),
+    ("all fused", FUSED, None),
+    ("all fused + selective checkpoint", {**FUSED, "checkpoint": "selective"}, None),
+    ("all fused + compile", FUSED, "default"),
+    ("all fused + compile max-autotune-no-cudagraphs", FUSED, "max-autotune-no-cudagraphs"),
+    ("all fused + compile reduce-overhead", FUSED, "reduce-overhead"),
+]
+
+
+def build(overrides: dict, args, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    size = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if args.smoke else {}
+    cfg = GPTConfig(vocab_size=args.vocab, **{**dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+                                              **size, **overrides})
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+    return model, opt
+
+
+def train_step(model, opt, idx, targets, autocast):
+    with autocast:
+        loss = model(idx, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def measure(name: str, overrides: dict, mode: str | None, args, device) -> dict:
+    model, opt = build(overrides, args, device)
+    T = model.config.block_size
+    step = train_step
+    if mode is not None:
+        torch._dynamo.reset()
+        step = torch.compile(train_step, mode=mode, fullgraph=False)  # the optimizer step may break the graph
+        model = torch.compile(model, mode=mode, fullgraph=True)  # the model itself: no graph break allowed
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, T + 1), generator=gen).to(device) for _ in range(4)]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    for i in range(args.warmup):
+        b = batches[i % len(batches)]
+        step(model, opt, b[:, :-1], b[:, 1:], autocast)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    recompile_guard = torch._dynamo.config.patch(error_on_recompile=True) if mode else nullcontext()
+    with recompile_guard:
+        start = time.perf_counter()
+        for i in range(args.steps):
+            b = batches[i % len(batches)]
+            loss = step(model, opt, b[:, :-1], b[:, 1:], autocast)
+        sync()
+        seconds = time.perf_counter() - start
+    tokens_per_s = args.batch * T * args.steps / seconds
+    raw = getattr(model, "_orig_mod", model)
+    peak = peak_flops(torch.cuda.get_device_name(), "bf16-mixed") if device.type == "cuda" else None
+    return dict(
+        name=name, ms=1e3 * seconds / args.steps, tokens_per_s=tokens_per_s,
+        mfu=raw.flops_per_token(T) * tokens_per_s / peak if peak else None,
+        peak_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        loss=loss.item(),
+    )
+
+
+def profile_all_fused(args, device) -> str:
+    model, opt = build(FUSED, args, device)
+    T = model.config.block_size
+    b = torch.randint(0, args.vocab, (args.batch, T + 1), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    for _ in range(3):
+        train_step(model, opt, b[:, :-1], b[:, 1:], autocast)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            train_step(model, opt, b[:, :-1], b[:, 1:], autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=20)
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]["tokens_per_s"]
+    lines = ["| variant | ms/step | tokens/s | vs stock | MFU | peak GB | loss |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "-"
+        lines.append(f"| {r['name']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | "
+                     f"{mfu} | {peak} | {r['loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", default=None, help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, no compile: checks the script runs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.vocab, args.warmup, args.steps = 2, 512, 1, 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    variants = [v for v in VARIANTS if not (args.smoke and v[2])]
+    if args.only:
+        variants = [v for v in variants if v[0] in args.only.split(",")]
+    rows = []
+    for name, overrides, mode in variants:
+        try:
+            rows.append(measure(name, overrides, mode, args, device))
+        except Exception as e:  # one failing variant must not lose the others' numbers
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        print(table(rows[-1:]) if rows else "", flush=True)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
+    text = (f"# gpt-small training steps — {device_name}\n\n{datetime.date.today()}, torch {torch.__version__}. "
+            f"B={args.batch}, T={64 if args.smoke else 1024}, vocab {args.vocab}, bf16 autocast, fused AdamW, "
+            f"{args.warmup} warm-up + "
+            f"{args.steps} timed steps on random tokens.\n\n" + table(rows) + "\n")
+    if args.profile:
+        text += "\n## Top kernels, all fused (3 steps)\n\n```\n" + profile_all_fused(args, device) + "\n```\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
