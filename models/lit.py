@@ -105,9 +105,34 @@ class GPTLitModule(L.LightningModule):
             prog_bar=True,
             sync_dist=True,
         )
-        if self.sample_cfg["tokens"] and self.tokenizer is not None and self.trainer.is_global_zero:
-            self.last_sample = self.generate_text()
-            self._log_sample(self.last_sample)
+        # a sharded (FSDP) model gathers its weights in forward, a collective: then every rank generates
+        if self.sample_cfg["tokens"] and self.tokenizer is not None:
+            if self.trainer.is_global_zero or _is_sharded(self.model):
+                sample = self.generate_text()
+                if self.trainer.is_global_zero:
+                    self.last_sample = sample
+                    self._log_sample(sample)
+
+    # -------------------------------------------------------------------------------------- sharding
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (``models.strategies.FSDP2Strategy``, or any Lightning
+        ``ModelParallelStrategy`` with ``tensor_parallel_size=1``): shard the GPT with FSDP2 over the
+        data-parallel mesh (``GPT.shard``). Other strategies: nothing. Idempotent (Lightning calls it again
+        for a ``validate`` after ``fit``)."""
+        try:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+        except ImportError:  # lightning < 2.4: no FSDP2 strategy, nothing to shard for
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not isinstance(strategy, ModelParallelStrategy) or _is_sharded(self.model):
+            return
+        mesh = strategy.device_mesh
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(
+                "the GPT has no tensor-parallel plan: use tensor_parallel_size=1 (trainer=fsdp does), got "
+                f"{mesh['tensor_parallel'].size()}"
+            )
+        self.model.shard(mesh["data_parallel"])
 
     # ------------------------------------------------------------------------------------------- sample
     def generate_text(self, prompt: str | None = None, tokens: int | None = None) -> str:
@@ -178,6 +203,18 @@ class GPTLitModule(L.LightningModule):
         self.batches_seen = int(checkpoint.get("batches_seen", 0))
         self.val_history = [tuple(x) for x in checkpoint.get("val_history", [])]
         self._rng_to_restore = checkpoint.get("rng_state")
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    """True when ``module`` has been sharded with FSDP2 (``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # torch < 2.6
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # a torch without torch.distributed
+            return False
+    return isinstance(module, FSDPModule)
 
 
 def _get_rng_state() -> dict:
