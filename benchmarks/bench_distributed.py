@@ -1,10 +1,12 @@
 """Multi-GPU training (issue 9): 1 GPU against 2 GPUs with DDP (and FSDP2), through train.py.
 
-1. throughput: ``model=gpt-small`` with stock and with all-fused layers on 1 GPU and on 2 GPUs (DDP), the
-   global batch fixed (``--global-batch`` sequences of 1024 tokens: 16 on 1 GPU, 8 per GPU on 2): tokens/s,
-   MFU, peak memory and the scaling efficiency tokens/s(2 GPUs) / (2 x tokens/s(1 GPU)); target >= 90% for
-   all-fused;
-2. loss curves: the first ``--curve-steps`` steps (train loss at every step) of all-fused on 1 GPU, on 2 GPUs
+1. throughput: ``model=gpt-small`` with stock layers, all-fused layers (custom attention, fused linear
+   cross-entropy; no checkpointing: on a 141 GB GPU gpt-small does not need the memory it saves) and all-fused
+   + selective checkpointing, on 1 GPU and on 2 GPUs (DDP), ``--batch-per-gpu`` sequences of 1024 tokens on
+   every GPU (weak scaling, as data-parallel scaling is usually quoted): tokens/s, MFU, peak memory and the
+   scaling efficiency tokens/s(2 GPUs) / (2 x tokens/s(1 GPU)); target >= 90% for all-fused;
+2. loss curves: the first ``--curve-steps`` steps (train loss at every step) of all-fused + selective
+   checkpointing (every fused part) on 1 GPU, on 2 GPUs
    with DDP and on 2 GPUs with FSDP2, the same global batches (the data is split, not redrawn, across ranks);
    the bf16 noise they are judged against is the gap between stock and all-fused on 1 GPU (the same math,
    rounded differently);
@@ -42,7 +44,8 @@ os.environ.update(NO_MULTICAST)  # before torch / NCCL are loaded here
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("FUSEDLAYERS_ROOT", str(ROOT))  # as train.py: the runs' saved configs resolve paths by it
-FUSED = ["model.attention=custom", "model.softmax=custom", "model.loss=fused_linear", "model.checkpoint=selective"]
+FUSED = ["model.attention=custom", "model.softmax=custom", "model.loss=fused_linear", "model.checkpoint=none"]
+FUSED_SELECTIVE = [*FUSED[:-1], "model.checkpoint=selective"]  # every fused part
 STOCK = ["model.attention=stock", "model.softmax=stock", "model.loss=stock", "model.checkpoint=none"]
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -65,19 +68,19 @@ def trainer_overrides(gpus: int, strategy: str) -> list[str]:
 def plan(args) -> list[dict]:
     """Every run: name, part, layers, gpus, strategy, overrides (most important first: the budget may cut the
     tail)."""
-    runs = []
     gb, steps, csteps = args.global_batch, args.steps, args.curve_steps
-    for layers, lov in (("all-fused", FUSED), ("stock", STOCK)):
+    throughput, runs = [], []
+    for layers, lov in (("all-fused", FUSED), ("stock", STOCK), ("all-fused + selective", FUSED_SELECTIVE)):
         for gpus in (1, 2):
-            runs.append(dict(
+            throughput.append(dict(
                 name=f"throughput {layers} {gpus} GPU" + (" ddp" if gpus > 1 else ""), part="throughput",
                 layers=layers, gpus=gpus, strategy="ddp" if gpus > 1 else "single",
-                overrides=[*lov, *trainer_overrides(gpus, "ddp"), f"data.batch_size={gb // gpus}",
+                overrides=[*lov, *trainer_overrides(gpus, "ddp"), f"data.batch_size={args.batch_per_gpu}",
                            f"trainer.max_steps={steps}", f"data.batches_per_epoch={steps}",
                            f"trainer.log_every_n_steps={args.log_every}", "~callbacks.model_checkpoint"],
             ))  # fmt: skip
-    curves = [("all-fused", 1, "single", FUSED), ("all-fused", 2, "ddp", FUSED), ("all-fused", 2, "fsdp", FUSED),
-              ("stock", 1, "single", STOCK)]  # fmt: skip
+    curves = [("all-fused", 1, "single", FUSED_SELECTIVE), ("all-fused", 2, "ddp", FUSED_SELECTIVE),
+              ("all-fused", 2, "fsdp", FUSED_SELECTIVE), ("stock", 1, "single", STOCK)]  # fmt: skip
     for layers, gpus, strategy, lov in curves:
         keep_ckpt = gpus > 1  # the 2-GPU checkpoints are loaded on 1 device afterwards
         runs.append(dict(
@@ -87,7 +90,7 @@ def plan(args) -> list[dict]:
                        f"trainer.max_steps={csteps}", f"data.batches_per_epoch={csteps}",
                        "trainer.log_every_n_steps=1", *([] if keep_ckpt else ["~callbacks.model_checkpoint"])],
         ))  # fmt: skip
-    return runs
+    return throughput[:4] + runs + throughput[4:]  # all-fused + selective throughput last
 
 
 def child_env() -> dict:
@@ -292,8 +295,10 @@ def ckpt_section(evals: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, gloo, a few steps (catches errors)")
-    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step, all GPUs (16; smoke 8)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per throughput run (150; smoke 12)")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="loss curves: sequences per step, all GPUs (16; smoke 8)")
+    ap.add_argument("--batch-per-gpu", type=int, default=None, help="throughput: sequences per GPU (16; smoke 4)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per throughput run (100; smoke 12)")
     ap.add_argument("--curve-steps", type=int, default=None, help="steps of the loss curves (50; smoke 6)")
     ap.add_argument("--log-every", type=int, default=25, help="throughput runs: log (and sync) every n steps")
     ap.add_argument("--target", type=float, default=0.90, help="scaling-efficiency target (all-fused)")
@@ -304,7 +309,8 @@ def main() -> int:
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for every run (last wins)")
     args = ap.parse_args()
     args.global_batch = args.global_batch or (8 if args.smoke else 16)
-    args.steps = args.steps or (12 if args.smoke else 150)
+    args.batch_per_gpu = args.batch_per_gpu or (4 if args.smoke else 16)
+    args.steps = args.steps or (12 if args.smoke else 100)
     args.curve_steps = args.curve_steps or (6 if args.smoke else 50)
     if args.smoke:
         args.log_every = min(args.log_every, 3)
@@ -341,15 +347,17 @@ def main() -> int:
     text = (
         f"# Multi-GPU training: {n_gpus}x {device}, DDP and FSDP2\n\n"
         f"{datetime.date.today()}, {versions}, {precision}, `benchmarks/bench_distributed.py"
-        f"{' --smoke' if args.smoke else ''}`. {model}. all-fused = `{' '.join(FUSED)}`; stock = "
-        f"`{' '.join(STOCK)}`. Global batch {args.global_batch} sequences per step (1 GPU: {args.global_batch}; "
-        f"2 GPUs: {args.global_batch // 2} per GPU); the 2-GPU run sees exactly the 1-GPU run's windows, split "
-        f"between the ranks. NVLink multicast off in every process: "
+        f"{' --smoke' if args.smoke else ''}`. {model}. all-fused = `{' '.join(FUSED)}`; all-fused + selective = "
+        f"`{' '.join(FUSED_SELECTIVE)}`; stock = `{' '.join(STOCK)}`. NVLink multicast off in every process: "
         f"{', '.join(f'{k}={v}' for k, v in NO_MULTICAST.items())}.\n\n"
-        f"## Throughput ({args.steps} steps, global batch fixed)\n\n"
+        f"## Throughput ({args.steps} steps, {args.batch_per_gpu} sequences per GPU)\n\n"
         f"tokens/s = all GPUs together, the first 5 steps and validation excluded; MFU per GPU against the dense "
         f"bf16 peak (6N + 12LHQT FLOPs/token, no recompute counted); scaling efficiency = tokens/s on 2 GPUs / "
-        f"(2 x tokens/s on 1 GPU).\n\n{tput_text}\n"
+        f"(2 x tokens/s on 1 GPU), the batch per GPU the same on 1 and 2 GPUs.\n\n{tput_text}\n"
+        f"Loss curves and checkpoints below use all-fused + selective (every fused part), with the global batch "
+        f"fixed: {args.global_batch} sequences per step (1 GPU: {args.global_batch}; 2 GPUs: "
+        f"{args.global_batch // 2} per GPU); the 2-GPU run sees exactly the 1-GPU run's windows, split between "
+        f"the ranks.\n\n"
         f"## Loss curves, first {args.curve_steps} steps (train loss at each step)\n\n{curve_text}\n"
         f"## Checkpoints saved on 2 GPUs, loaded on 1\n\n"
         f"DDP saves rank 0's replica; FSDP2 (`trainer=fsdp`, `save_distributed_checkpoint: false`) gathers the full "

@@ -394,11 +394,17 @@ def test_cuda_compile_autocast_and_opcheck():
     torch.testing.assert_close(loss_c, loss_e)
     for a, c in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, c)
+    from fusedlayers.kernels import linear_cross_entropy as lce_kernels
+
+    lce_kernels._ADDMM_OUT_DTYPE.clear()  # the first call (and its probe) from inside an autocast region
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fused = fl.linear_cross_entropy(x, w, t, b)
         stock = F.cross_entropy(F.linear(x, w, b), t)
     assert fused.dtype == stock.dtype == torch.float32
     torch.testing.assert_close(fused, stock, rtol=1e-2, atol=1e-2)
+    # grad_weight accumulated by one bf16 x bf16 -> fp32 cuBLAS call per chunk, not an fp32 SIMT matmul on
+    # upcast copies (autocast once broke the probe: 3x slower in the gpt-small profile)
+    assert lce_kernels._ADDMM_OUT_DTYPE[x.device] is True
     opcheck(torch.ops.fusedlayers.linear_cross_entropy.default,
             (x.bfloat16(), w.bfloat16(), t, b.bfloat16(), -100, "mean", 0.1, 0.0, 64, torch.bfloat16, True, True,
              True))

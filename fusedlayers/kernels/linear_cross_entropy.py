@@ -28,16 +28,18 @@ _ADDMM_OUT_DTYPE: dict[torch.device, bool] = {}
 
 def _addmm_out_dtype_works(device: torch.device) -> bool:
     """Whether torch.addmm(..., out_dtype=torch.float32, out=acc) accumulates bf16 products into fp32 in place
-    (torch >= 2.8 on CUDA). Probed once per device on a small problem against an fp32 matmul."""
+    (torch >= 2.8 on CUDA). Probed once per device on a small problem against an fp32 matmul, with autocast
+    off (the first call may come from inside an autocast region, which would recast the probe itself)."""
     if device not in _ADDMM_OUT_DTYPE:
         ok = False
         try:
-            a = torch.randn(64, 32, device=device).to(torch.bfloat16)
-            b = torch.randn(32, 48, device=device).to(torch.bfloat16)
-            acc = torch.randn(64, 48, device=device)
-            expected = acc + a.float() @ b.float()
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            ok = bool(torch.allclose(acc, expected, atol=1e-4, rtol=1e-4))
+            with torch.autocast(device.type, enabled=False):
+                a = torch.randn(64, 32, device=device).to(torch.bfloat16)
+                b = torch.randn(32, 48, device=device).to(torch.bfloat16)
+                acc = torch.randn(64, 48, device=device)
+                expected = acc.double() + a.double() @ b.double()  # fp64: immune to allow_tf32
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc.double(), expected, atol=1e-4, rtol=1e-4))
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
         _ADDMM_OUT_DTYPE[device] = ok

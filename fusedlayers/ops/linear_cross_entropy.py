@@ -142,7 +142,18 @@ def chunked_linear_cross_entropy(
     ``row_grad``: None -> loss and lse only. Else the factor of each row's gradient (0-d or (N,)), and
     the gradients wanted are computed in the same pass: gx (input dtype), gw and gb (fp32/fp64
     accumulators). ``lse_in``: the saved logsumexp (backward): the loss is not recomputed.
+
+    Runs with autocast off: the op's dtypes are already chosen (``fl.linear_cross_entropy`` casts under
+    autocast), and autocast would otherwise recast the matmuls here (the fp32 grad_weight accumulation
+    included) when the op is called inside an autocast region.
     """
+    with torch.autocast(x.device.type, enabled=False):
+        return _chunk_loop(x, weight, target, bias, ignore_index, smoothing, z_loss, chunk_size, row_grad,
+                           need_gx, need_gw, need_gb, lse_in)
+
+
+def _chunk_loop(x, weight, target, bias, ignore_index, smoothing, z_loss, chunk_size, row_grad, need_gx, need_gw,
+                need_gb, lse_in):
     n_rows, _ = x.shape
     n_classes = weight.shape[0]
     acc = _accumulator(x.dtype)
