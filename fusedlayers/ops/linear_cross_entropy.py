@@ -148,53 +148,47 @@ def chunked_linear_cross_entropy(
     included) when the op is called inside an autocast region.
     """
     with torch.autocast(x.device.type, enabled=False):
-        return _chunk_loop(x, weight, target, bias, ignore_index, smoothing, z_loss, chunk_size, row_grad,
-                           need_gx, need_gw, need_gb, lse_in)
-
-
-def _chunk_loop(x, weight, target, bias, ignore_index, smoothing, z_loss, chunk_size, row_grad, need_gx, need_gw,
-                need_gb, lse_in):
-    n_rows, _ = x.shape
-    n_classes = weight.shape[0]
-    acc = _accumulator(x.dtype)
-    use_kernels = _run_kernel(x)
-    loss = torch.zeros(n_rows, dtype=acc, device=x.device)
-    lse = torch.zeros(n_rows, dtype=acc, device=x.device)
-    gx = gw = gb = None
-    if row_grad is not None:
-        gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
-        gw = torch.empty(weight.shape, dtype=acc, device=x.device) if need_gw else None  # first chunk: beta=0
-        gb = torch.zeros(n_classes, dtype=acc, device=x.device) if need_gb and bias is not None else None
-    if n_rows == 0:
+        n_rows, _ = x.shape
+        n_classes = weight.shape[0]
+        acc = _accumulator(x.dtype)
+        use_kernels = _run_kernel(x)
+        loss = torch.zeros(n_rows, dtype=acc, device=x.device)
+        lse = torch.zeros(n_rows, dtype=acc, device=x.device)
+        gx = gw = gb = None
+        if row_grad is not None:
+            gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
+            gw = torch.empty(weight.shape, dtype=acc, device=x.device) if need_gw else None  # first chunk: beta=0
+            gb = torch.zeros(n_classes, dtype=acc, device=x.device) if need_gb and bias is not None else None
+        if n_rows == 0:
+            return loss, lse, gx, gw, gb
+        chunk_size = max(1, min(chunk_size, n_rows))
+        buffer = torch.empty(chunk_size, n_classes, dtype=x.dtype, device=x.device)
+        weight_t = weight.t()
+        for start in range(0, n_rows, chunk_size):
+            stop = min(start + chunk_size, n_rows)
+            x_c, t_c = x[start:stop], target[start:stop]
+            logits = buffer[: stop - start]
+            if bias is not None:
+                torch.addmm(bias, x_c, weight_t, out=logits)
+            else:
+                torch.mm(x_c, weight_t, out=logits)
+            if row_grad is None:
+                _chunk_ce_forward(use_kernels, logits, t_c, ignore_index, smoothing, z_loss, loss[start:stop],
+                                  lse[start:stop])
+                continue
+            g = row_grad if row_grad.dim() == 0 else row_grad[start:stop]
+            if lse_in is None:
+                _chunk_ce_forward_backward_(use_kernels, logits, t_c, g, ignore_index, smoothing, z_loss,
+                                            loss[start:stop], lse[start:stop])
+            else:
+                _chunk_ce_backward_(use_kernels, logits, t_c, lse_in[start:stop], g, ignore_index, smoothing, z_loss)
+            if gx is not None:
+                torch.mm(logits, weight, out=gx[start:stop])
+            if gw is not None:
+                _addmm_acc_(gw, logits.t(), x_c, first=start == 0)
+            if gb is not None:
+                gb += logits.sum(0, dtype=acc)
         return loss, lse, gx, gw, gb
-    chunk_size = max(1, min(chunk_size, n_rows))
-    buffer = torch.empty(chunk_size, n_classes, dtype=x.dtype, device=x.device)
-    weight_t = weight.t()
-    for start in range(0, n_rows, chunk_size):
-        stop = min(start + chunk_size, n_rows)
-        x_c, t_c = x[start:stop], target[start:stop]
-        logits = buffer[: stop - start]
-        if bias is not None:
-            torch.addmm(bias, x_c, weight_t, out=logits)
-        else:
-            torch.mm(x_c, weight_t, out=logits)
-        if row_grad is None:
-            _chunk_ce_forward(use_kernels, logits, t_c, ignore_index, smoothing, z_loss, loss[start:stop],
-                              lse[start:stop])
-            continue
-        g = row_grad if row_grad.dim() == 0 else row_grad[start:stop]
-        if lse_in is None:
-            _chunk_ce_forward_backward_(use_kernels, logits, t_c, g, ignore_index, smoothing, z_loss,
-                                        loss[start:stop], lse[start:stop])
-        else:
-            _chunk_ce_backward_(use_kernels, logits, t_c, lse_in[start:stop], g, ignore_index, smoothing, z_loss)
-        if gx is not None:
-            torch.mm(logits, weight, out=gx[start:stop])
-        if gw is not None:
-            _addmm_acc_(gw, logits.t(), x_c, first=start == 0)
-        if gb is not None:
-            gb += logits.sum(0, dtype=acc)
-    return loss, lse, gx, gw, gb
 
 
 def _check(x: Tensor, target: Tensor, n_classes: int, ignore_index: int) -> None:
