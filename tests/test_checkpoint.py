@@ -494,7 +494,6 @@ def test_selective_keeps_fused_attention_output():
         y = fl.checkpoint(attn, q, k, v, policy="selective")
     y.square().sum().backward()
     assert [e[0]._schema.name for e in frames[0].cache] == ["fusedlayers::scaled_dot_product_attention"]
-    assert frames[0].cache[0][2] is None  # our ops draw no random numbers (the seed op before it does)
     assert_equal_lists(grads_of([q, k, v]), want)
 
 

@@ -137,10 +137,6 @@ def _keepable(op) -> bool:
 
 @functools.cache
 def _may_use_rng(op) -> bool:
-    """Could ``op`` draw random numbers? aten says so with a tag; our own ops never do (dropout seeds are drawn
-    by aten ops before them); other namespaces' ops are assumed to."""
-    if op.namespace == "fusedlayers":
-        return False
     return op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
 
 
@@ -250,22 +246,6 @@ def _find_modules(roots) -> list[nn.Module]:
     return found
 
 
-def _submodules(roots: list[nn.Module]) -> list[nn.Module]:
-    """``roots`` and all their submodules, each once: a plain walk over ``_modules``, several times cheaper
-    than ``Module.modules()`` (which builds prefixed names), as this runs at every checkpointed call."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append(module)
-        stack.extend(m for m in module._modules.values() if m is not None)
-    return found
-
-
 class _BufferGuard:
     """The buffers of some modules as they were before the forward; swaps copies in for the recompute."""
 
@@ -273,12 +253,13 @@ class _BufferGuard:
         self.entries: list[tuple[dict, str, Tensor]] = []
         seen: set[tuple[int, str]] = set()
         with torch.no_grad():
-            for module in _submodules(modules):
-                for name, buf in module._buffers.items():
-                    if buf is None or (id(module), name) in seen:
-                        continue
-                    seen.add((id(module), name))
-                    self.entries.append((module._buffers, name, buf.clone()))
+            for root in modules:
+                for module in root.modules():
+                    for name, buf in module._buffers.items():
+                        if buf is None or (id(module), name) in seen:
+                            continue
+                        seen.add((id(module), name))
+                        self.entries.append((module._buffers, name, buf.clone()))
 
     @contextlib.contextmanager
     def swapped(self):
@@ -315,11 +296,10 @@ class _SelectiveMode(TorchDispatchMode):
         self.frame = frame
         self.replay = replay
         self.kept = 0  # ops kept (forward) or handed back (recompute) so far
-        self.keeps = frame.keeps  # looked up once: this runs for every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.keeps(func, args, kwargs):
+        if not self.frame.keeps(func, args, kwargs):
             return func(*args, **kwargs)
         index = self.kept
         self.kept += 1
