@@ -22,6 +22,7 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
+from bench_cross_entropy import peak_extra_bytes  # the same measurement for both benchmarks
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -34,19 +35,6 @@ MiB = 2**20
 
 def median_ms(fn, rep: int = 300) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def peak_extra_bytes(fn) -> int:
-    fn()
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak
 
 
 def copy_bandwidth() -> float:
