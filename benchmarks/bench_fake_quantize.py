@@ -14,8 +14,9 @@ random qparams and random data:
 Memory-bound: every row reports time, and the bytes the fused kernels move for that case divided by the
 row's time, as a fraction of a device-to-device copy of the same tensor measured in the same run (the same
 byte count for every row of a case, so the fraction is a speed on one scale). The fused kernels move
-8 B/element forward (read x, write y) and 12 B/element backward (read x and dy, write dx; the LSQ backward
-also writes per-tile partial sums, negligible).
+8.125 B/element forward (read x, write y and the bit-packed mask), 8.125 B/element in the straight-through
+backward (read dy and the mask, write dx) and 12 B/element in the LSQ backward (read x and dy, write dx; its
+per-tile partial sums are negligible).
 
     python benchmarks/bench_fake_quantize.py [--out benchmarks/results/<device>-fake_quantize.md] [--sweep]
 """
@@ -44,6 +45,8 @@ QMIN, QMAX = -128, 127
 DEVICE = "cuda"
 COMPILE = dict(dynamic=False)
 DRY_RUN = False
+FWD_BYTES = 4 + 4 + 1 / 8  # read x, write y and a mask bit (fp32)
+STE_BWD_BYTES = 4 + 4 + 1 / 8  # read dy and a mask bit, write dx
 
 
 def median_ms(fn, rep: int = 200) -> float:
@@ -113,6 +116,7 @@ def bench(copy_bw_of) -> list[dict]:
     g = torch.randn_like(w)
     numel = w.numel()
     copy_bw = copy_bw_of(w)
+    fwd_bytes, ste_bytes, lsq_bytes = FWD_BYTES * numel, (FWD_BYTES + STE_BWD_BYTES) * numel, (FWD_BYTES + 12) * numel
 
     def add(case, impl, fn, nbytes):
         fn()
@@ -124,34 +128,34 @@ def bench(copy_bw_of) -> list[dict]:
     # --- static per channel, forward
     stock = lambda x: torch.fake_quantize_per_channel_affine(x, scale, zp, 0, QMIN, QMAX)  # noqa: E731
     fused = lambda x: fl.fake_quantize(x, scale, zp, QMIN, QMAX, 0)  # noqa: E731
-    fused_op = lambda x: torch.ops.fusedlayers.fake_quantize(x, scale, zp, QMIN, QMAX, 0, 0, 1.0)  # noqa: E731
+    fused_op = lambda x: torch.ops.fusedlayers.fake_quantize(x, scale, zp, QMIN, QMAX, 0, 0, 1.0)[0]  # noqa: E731
     compiled = torch.compile(stock, **COMPILE)
     case = "per-channel int8 fwd"
     with torch.no_grad():
         for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (fl.fake_quantize)", fused),
                         ("fused (op, no arg checks)", fused_op)):
-            add(case, impl, lambda f=f: f(w), 8 * numel)
+            add(case, impl, lambda f=f: f(w), fwd_bytes)
     # --- forward + backward (STE)
     wr = w.clone().requires_grad_()
     case = "per-channel int8 fwd+bwd"
     for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (op, no arg checks)", fused_op)):
-        add(case, impl, grad_of(f, wr, g), 20 * numel)
+        add(case, impl, grad_of(f, wr, g), ste_bytes)
     # --- learnable (LSQ), forward + backward
     gf = 1.0 / math.sqrt(N * QMAX)
     s_l = scale.clone().requires_grad_()
     z_l = zp.float().requires_grad_()
     stock_l = lambda x, s, z: torch._fake_quantize_learnable_per_channel_affine(x, s, z, 0, QMIN, QMAX, gf)  # noqa: E731
-    fused_l = lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, gf)  # noqa: E731
+    fused_l = lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
     compiled_l = torch.compile(stock_l, **COMPILE)
     case = "learnable per-channel int8 fwd+bwd"
     for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (op)", fused_l)):
-        add(case, impl, grad_of(f, wr, g, s_l, z_l), 20 * numel)
+        add(case, impl, grad_of(f, wr, g, s_l, z_l), lsq_bytes)
     # --- dynamic symmetric per channel (FakeQuantLinear's weight path), forward + backward
     case = "dynamic per-channel int8 fwd+bwd"
     fused_d = lambda x: torch.ops.fusedlayers.fake_quantize_dynamic(x, QMIN, QMAX, N, True)[0]  # noqa: E731
     compiled_d = torch.compile(torch_dynamic_per_channel, **COMPILE)
     for impl, f in (("torch eager", torch_dynamic_per_channel), ("torch.compile", compiled_d), ("fused (op)", fused_d)):
-        add(case, impl, grad_of(f, wr, g), 20 * numel)
+        add(case, impl, grad_of(f, wr, g), ste_bytes)
     del wr, s_l, z_l, g
     # --- dynamic per-token int8 activations, forward + backward
     x = (torch.randn(TOKENS, WIDTH, device=DEVICE) * 3).requires_grad_()
@@ -166,7 +170,7 @@ def bench(copy_bw_of) -> list[dict]:
         fn()
         sync()
         ms = median_ms(fn)
-        nbytes = 20 * x.numel()
+        nbytes = (FWD_BYTES + STE_BWD_BYTES) * x.numel()
         rows.append(dict(case=case, impl=impl, ms=ms, frac=nbytes / (ms * 1e-3) / copy_bw_x, tbs=nbytes / ms / 1e9))
         print(rows[-1], flush=True)
     return rows
@@ -185,8 +189,9 @@ def sweep() -> str:
     for tile in (2048, 4096, 8192):
         kernels.TILE_ELEMENTS = tile
         fwd = median_ms(lambda: kernels.fake_quantize_forward(w, scale, zf, QMIN, QMAX, layout, 1))
-        bwd = median_ms(lambda: kernels.fake_quantize_backward(g, w, scale, zf, QMIN, QMAX, layout, 1, False))
-        lsq = median_ms(lambda: kernels.fake_quantize_backward(g, w, scale, zf, QMIN, QMAX, layout, 0, True, 0.1))
+        _, mask = kernels.fake_quantize_forward(w, scale, zf, QMIN, QMAX, layout, 1)
+        bwd = median_ms(lambda: kernels.fake_quantize_ste_backward(g, mask, N, N))  # noqa: B023
+        lsq = median_ms(lambda: kernels.fake_quantize_lsq_backward(g, w, scale, zf, QMIN, QMAX, layout, 0, 0.1))
         dyn = median_ms(lambda: kernels.fake_quantize_dynamic_forward(w, QMIN, QMAX, N, True, 1e-7))
         lines.append(f"tile {tile}: fwd {fwd:.3f} ms, ste bwd {bwd:.3f} ms, lsq bwd {lsq:.3f} ms, "
                      f"dynamic fwd {dyn:.3f} ms")

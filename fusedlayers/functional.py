@@ -391,8 +391,9 @@ def fake_quantize(input: Tensor, scale, zero_point, quant_min: int, quant_max: i
         if not zero_point.is_floating_point() and zero_point.numel():
             if not bool(((zero_point >= quant_min) & (zero_point <= quant_max)).all()):
                 raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
-    return torch.ops.fusedlayers.fake_quantize(input, scale, zero_point, quant_min, quant_max, axis,
-                                               group_size or 0, grad_factor)
+    y, _ = torch.ops.fusedlayers.fake_quantize(input, scale, zero_point, quant_min, quant_max, axis, group_size or 0,
+                                               grad_factor)
+    return y
 
 
 def fake_quantize_dynamic(input: Tensor, quant_min: int = -128, quant_max: int = 127, group_size: int | None = None,
@@ -427,6 +428,6 @@ def fake_quantize_dynamic(input: Tensor, quant_min: int = -128, quant_max: int =
         y = input.new_empty(input.shape)
         empty = input.new_empty((*input.shape[:-1], 0), dtype=torch.float32)
         return (y, empty, empty.clone()) if return_qparams else y
-    y, scale, zero_point = torch.ops.fusedlayers.fake_quantize_dynamic(input, quant_min, quant_max, group_size,
+    y, scale, zero_point, _ = torch.ops.fusedlayers.fake_quantize_dynamic(input, quant_min, quant_max, group_size,
                                                                         symmetric)
     return (y, scale, zero_point) if return_qparams else y

@@ -319,11 +319,11 @@ class FakeQuantLinear(nn.Linear):
             axis = 0 if granularity == "per_channel" else None
             group = self.group_size if granularity == "per_group" else 0
             return torch.ops.fusedlayers.fake_quantize(self.weight, self.weight_scale, self.weight_zero_point, qmin,
-                                                       qmax, axis, group, self.grad_factor)
+                                                       qmax, axis, group, self.grad_factor)[0]
         if granularity == "per_tensor":
             scale = absmax_scale(self.weight, self.weight_bits, granularity, None)
             zero = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
-            return torch.ops.fusedlayers.fake_quantize(self.weight, scale, zero, qmin, qmax, None, 0, 1.0)
+            return torch.ops.fusedlayers.fake_quantize(self.weight, scale, zero, qmin, qmax, None, 0, 1.0)[0]
         group = self.in_features if granularity == "per_channel" else self.group_size
         return torch.ops.fusedlayers.fake_quantize_dynamic(self.weight, qmin, qmax, group, True)[0]
 

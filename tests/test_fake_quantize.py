@@ -351,16 +351,78 @@ def test_dynamic_looped_kernel(symmetric):
     """Rows past MAX_ONE_PASS_COLS run the two-sweep kernel; forced here at a small size."""
     x = torch.randn(3, 1000) * 2
     x[1] = x[1].abs()
-    y_ref, s_ref, z_ref = ops.fake_quantize_dynamic(x, -128, 127, 1000, symmetric)
+    with fl.use_backend("reference"):
+        y_ref, s_ref, z_ref, mask_ref = ops.fake_quantize_dynamic(x, -128, 127, 1000, symmetric)
     old = kernels.LOOP_BLOCK_N
     kernels.LOOP_BLOCK_N = 256
     try:
-        y, s, z = kernels.fake_quantize_dynamic_forward(x, -128, 127, 1000, symmetric, ops.EPS, looped=True)
+        y, s, z, mask = kernels.fake_quantize_dynamic_forward(x, -128, 127, 1000, symmetric, ops.EPS, looped=True)
     finally:
         kernels.LOOP_BLOCK_N = old
     _same(y, y_ref, "y")
+    _same(mask, mask_ref, "packed mask")
     _same(s, s_ref.reshape(-1), "scale")
     _same(z, z_ref.reshape(-1), "zero point")
+
+
+# ----------------------------------------------------------------------------- the packed mask
+
+
+MASK_CASES = [  # (shape, axis, group_size): per tensor, per channel (rows / columns), per group, ragged bytes
+    ((5, 13), None, 0), ((3,), None, 0), ((6, 37), 0, 0), ((7, 21), 1, 0), ((2, 3, 11), 1, 0), ((4, 48), None, 16),
+]
+
+
+@pytest.mark.parametrize(("shape", "axis", "group_size"), MASK_CASES)
+def test_packed_mask_kernel_equals_reference_and_unpacks(shape, axis, group_size):
+    """The kernel's bit-packed STE mask is the reference's byte for byte, and unpacks to the clipping mask."""
+    torch.manual_seed(3)
+    qshape = ops._qparam_shape(shape, axis, group_size)
+    n_q = max(1, int(torch.tensor(qshape[:-1] if group_size else qshape).prod()))
+    scale, zp = _random_qparams((n_q,), -8, 7)
+    if group_size:
+        scale, zp = scale.reshape(qshape[:-1]), zp.reshape(qshape[:-1])
+    x = torch.randn(shape) * 0.6  # about half the values clip
+    args = (scale, zp, -8, 7, axis, group_size, 1.0)
+    with fl.use_backend("reference"):
+        y_ref, mask_ref = fq.fake_quantize(x, *args)
+    with fl.use_backend("triton"):
+        y, mask = fq.fake_quantize(x, *args)
+    _same(y, y_ref, "y")
+    _same(mask, mask_ref, "packed mask")
+    assert mask.shape == ops.mask_shape(shape, axis, group_size)
+    keep = ops.unpack_mask(mask, shape, axis, group_size)
+    q = torch.round(ops._grouped(x, group_size) * (1.0 / scale.reshape(qshape))) + zp.reshape(qshape)
+    assert torch.equal(keep, ((q >= -8) & (q <= 7)).reshape(shape))
+    if keep.numel() >= 32:
+        assert 0 < int(keep.sum()) < keep.numel()  # both kinds of bit present
+
+
+def _saved_tensors(fn, *inputs):
+    """(dtype, shape) of every tensor autograd saves while ``fn(*inputs)`` runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return saved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ste_saves_only_the_packed_mask_and_lsq_saves_x(backend):
+    x = torch.randn(16, 64, requires_grad=True)
+    scale, zp = _random_qparams((16,), -128, 127)
+    with fl.use_backend(backend):
+        ste = _saved_tensors(lambda t: fl.fake_quantize(t, scale, zp, -128, 127, 0), x)
+        assert ste == [(torch.uint8, (16, 8))], ste  # 64 columns, 8 bytes a row: 1/32 of x's bytes
+        dyn = _saved_tensors(lambda t: fl.fake_quantize_dynamic(t, group_size=32), x)
+        assert dyn == [(torch.uint8, (32, 4))], dyn
+        s = scale.clone().requires_grad_()
+        lsq = _saved_tensors(lambda t: fl.fake_quantize(t, s, zp, -128, 127, 0), x)
+        assert (torch.float32, (16, 64)) in lsq and all(dt != torch.uint8 for dt, _ in lsq), lsq
 
 
 # ----------------------------------------------------------------------------- layouts, edge cases
@@ -421,8 +483,8 @@ def test_gradgradcheck_ste():
     zp = torch.zeros(5, dtype=torch.int32)
     assert torch.autograd.gradgradcheck(lambda t: fl.fake_quantize(t, scale, zp, -8, 7, 1), (x,))
     grad = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda g: fq.fake_quantize_backward(g, x.detach(), scale, zp, -8, 7, 1, 0), (grad,))
+    _, mask = fq.fake_quantize(x.detach(), scale, zp, -8, 7, 1, 0, 1.0)
+    assert torch.autograd.gradcheck(lambda g: fq.fake_quantize_backward(g, mask, 1, 0), (grad,))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -437,7 +499,8 @@ def test_opcheck(backend):
         opcheck(fq.fake_quantize.default, (x, scale[:1], zp_i[:1], -8, 7, None, 0, 1.0))
         opcheck(fq.fake_quantize.default, (x, scale[:16].reshape(4, 4), zp_i[:16].reshape(4, 4), -8, 7, None, 8, 1.0))
         grad = torch.randn(4, 32)
-        opcheck(fq.fake_quantize_backward.default, (grad, x.detach(), scale.detach(), zp_i, -8, 7, 1, 0))
+        _, mask = fq.fake_quantize(x.detach(), scale.detach(), zp_i, -8, 7, 1, 0, 1.0)
+        opcheck(fq.fake_quantize_backward.default, (grad, mask, 1, 0))
         opcheck(fq.fake_quantize_lsq_backward.default,
                 (grad, x.detach(), scale.detach(), zp_f.detach(), -8, 7, 1, 0, 0.5))
         opcheck(fq.fake_quantize_dynamic.default, (x, -128, 127, 32, False))
@@ -576,6 +639,26 @@ def test_cuda_group_and_dynamic_kernels_equal_reference(dtype):
     got = fl.fake_quantize_dynamic(long_rows)
     with fl.use_backend("reference"):
         _same(got, fl.fake_quantize_dynamic(long_rows), "cuda dynamic looped")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_packed_masks_equal_reference(dtype):
+    torch.manual_seed(13)
+    for shape, axis, group in [((256, 1000), 0, 0), ((256, 1003), 1, 0), ((33, 4096), None, 0), ((64, 4096), None, 32)]:
+        x = (torch.randn(shape, device="cuda") * 0.3).to(dtype)
+        qshape = ops._qparam_shape(shape, axis, group)
+        n_q = int(torch.tensor(qshape[:-1] if group else (qshape or [1])).prod())
+        scale, zp = (t.cuda() for t in _random_qparams((n_q,), -8, 7))
+        if group:
+            scale, zp = scale.reshape(qshape[:-1]), zp.reshape(qshape[:-1])
+        got = fq.fake_quantize(x, scale, zp, -8, 7, axis, group, 1.0)
+        with fl.use_backend("reference"):
+            ref = fq.fake_quantize(x, scale, zp, -8, 7, axis, group, 1.0)
+        _same(got[1], ref[1], f"cuda packed mask {shape} axis {axis} group {group}")
+        dyn = fq.fake_quantize_dynamic(x, -8, 7, shape[-1], False)
+        with fl.use_backend("reference"):
+            _same(dyn[3], fq.fake_quantize_dynamic(x, -8, 7, shape[-1], False)[3], f"cuda dynamic mask {shape}")
 
 
 @pytest.mark.cuda

@@ -2,18 +2,21 @@
 
 Ops (``fusedlayers.functional`` validates input and calls them):
 
-- ``fake_quantize(x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor)``: affine
-  fake quantization with given qparams: per tensor (axis None, group_size 0), per channel along
+- ``fake_quantize(x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor) -> (y, mask)``:
+  affine fake quantization with given qparams: per tensor (axis None, group_size 0), per channel along
   ``axis``, or per group of ``group_size`` consecutive elements of the last dim (scale of shape
-  ``(*x.shape[:-1], x.shape[-1] // group_size)``). Gradient: the straight-through estimator with the
-  clipping mask for x; when scale / zero_point require grad, LSQ's gradients for them (and for x the
-  mask of torch's learnable op).
-- ``fake_quantize_backward(grad, x, scale, zero_point, ...)``: the STE gradient ``grad * mask``; the mask is
-  recomputed from x (nothing but the inputs is saved). Linear in grad, so differentiable (double backward).
-- ``fake_quantize_lsq_backward(grad, x, scale, zero_point, ...)``: (dx, dscale, dzero_point) of LSQ in one
-  pass over x; the kernel writes partial sums of dscale / dzero_point, finished by a small reduction.
+  ``(*x.shape[:-1], x.shape[-1] // group_size)``); ``mask`` is the straight-through mask, bit-packed (see
+  ``pack_mask``), not differentiable. Gradient: the straight-through estimator with the clipping mask for x
+  (only the packed mask is saved: 1/8 byte per element); when scale / zero_point require grad, LSQ's
+  gradients for them (and for x the mask of torch's learnable op; x and the qparams are saved).
+- ``fake_quantize_backward(grad, mask, axis, group_size)``: the STE gradient ``grad * mask``. Linear in grad,
+  so differentiable (double backward).
+- ``fake_quantize_lsq_backward(grad, x, scale, zero_point, ...) -> (dx, dqparams)``: LSQ's gradients in one
+  pass over x, ``dqparams`` = (dscale, dzero_point) flat and stacked, in the accumulation dtype; the kernel
+  writes partial sums of both, finished by one small reduction.
 - ``fake_quantize_dynamic(x, quant_min, quant_max, group_size, symmetric)``: qparams computed from each
-  group's (row's, for per-token) min/max in the same kernel; returns (y, scale, zero_point); gradient STE.
+  group's (row's, for per-token) min/max in the same kernel; returns (y, scale, zero_point, mask); gradient
+  STE from the mask.
 
 Numerics are torch's: fp32 ``inv = 1 / scale``, ``q = round_half_even(x * inv) + zero_point``, the STE mask
 ``quant_min <= q <= quant_max`` taken before clipping, ``y = (clip(q) - zero_point) * scale`` rounded to fp32
@@ -121,6 +124,30 @@ def _grouped(x: Tensor, group_size: int) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size) if group_size else x
 
 
+def mask_shape(shape, axis: int | None, group_size: int) -> tuple[int, int]:
+    """Shape of the packed mask of a tensor of ``shape``: a byte per 8 columns of each row of its 2-D view."""
+    M, N, _, _ = layout(shape, axis, group_size)
+    return M, (N + 7) // 8
+
+
+def pack_mask(keep: Tensor, shape, axis: int | None, group_size: int) -> Tensor:
+    """Bit-pack a bool mask (in x's shape or its grouped view): row r of the kernels' (M, N) view takes
+    ``cdiv(N, 8)`` bytes, bit k of byte j is column ``8 * j + k`` (the padding bits 0). As the kernels write it."""
+    M, N, _, _ = layout(shape, axis, group_size)
+    rows = keep.reshape(M, N).to(torch.uint8)
+    rows = torch.nn.functional.pad(rows, (0, (-N) % 8)).reshape(M, (N + 7) // 8, 8)
+    weights = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=keep.device)
+    return (rows * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(mask: Tensor, shape, axis: int | None, group_size: int) -> Tensor:
+    """The bool mask in ``shape`` from its packed form."""
+    M, N, _, _ = layout(shape, axis, group_size)
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    bits = (mask.reshape(M, (N + 7) // 8, 1) >> shifts) & 1
+    return bits.reshape(M, -1)[:, :N].reshape(shape).bool()
+
+
 def _reduce_to(t: Tensor, x_shape, axis: int | None, group_size: int) -> Tensor:
     """Sum per-element LSQ terms (broadcast shape) to one value per qparam (flat)."""
     if group_size:
@@ -159,19 +186,23 @@ def _reference_terms(x: Tensor, scale: Tensor, z: Tensor, quant_min: int, quant_
     return xv, s, inv, z, q, qc, keep
 
 
+def fake_quantize_with_mask_reference(x: Tensor, scale: Tensor, z: Tensor, quant_min: int, quant_max: int,
+                                      axis: int | None, group_size: int, mode: int) -> tuple[Tensor, Tensor]:
+    """Fake quantization in PyTorch and its packed STE mask; ``z`` is the (already rounded) zero point."""
+    _, s, _, z, _, qc, keep = _reference_terms(x, scale, z, quant_min, quant_max, axis, group_size, mode)
+    y = ((qc - z) * s).to(x.dtype).reshape(x.shape).contiguous()
+    return y, pack_mask(keep, x.shape, axis, group_size)
+
+
 def fake_quantize_reference(x: Tensor, scale: Tensor, z: Tensor, quant_min: int, quant_max: int,
                             axis: int | None, group_size: int, mode: int) -> Tensor:
-    """Fake quantization in PyTorch; ``z`` is the (already rounded) zero point."""
-    _, s, _, z, _, qc, _ = _reference_terms(x, scale, z, quant_min, quant_max, axis, group_size, mode)
-    return ((qc - z) * s).to(x.dtype).reshape(x.shape).contiguous()
+    return fake_quantize_with_mask_reference(x, scale, z, quant_min, quant_max, axis, group_size, mode)[0]
 
 
-def fake_quantize_backward_reference(grad: Tensor, x: Tensor, scale: Tensor, z: Tensor, quant_min: int,
-                                     quant_max: int, axis: int | None, group_size: int, mode: int) -> Tensor:
-    *_, keep = _reference_terms(x, scale, z, quant_min, quant_max, axis, group_size, mode)
-    acc = keep.dtype if keep.is_floating_point() else (torch.float64 if x.dtype == torch.float64 else torch.float32)
-    g = _grouped(grad.to(acc), group_size)
-    return (g * keep.to(acc)).to(x.dtype).reshape(x.shape).contiguous()
+def ste_backward_reference(grad: Tensor, mask: Tensor, axis: int | None, group_size: int) -> Tensor:
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    keep = unpack_mask(mask, grad.shape, axis, group_size)
+    return (grad.to(acc) * keep.to(acc)).to(grad.dtype).contiguous()
 
 
 def lsq_backward_reference(grad: Tensor, x: Tensor, scale: Tensor, z: Tensor, quant_min: int, quant_max: int,
@@ -209,40 +240,53 @@ def dynamic_qparams_reference(x: Tensor, quant_min: int, quant_max: int, group_s
 # ----------------------------------------------------------------------------- fake_quantize
 
 
+def _kernel_zero_point(zero_point: Tensor) -> Tensor:
+    """The zero point as the kernels load it: integer, or fp32 (they round and clamp it themselves)."""
+    return zero_point.float() if zero_point.is_floating_point() else zero_point
+
+
 @torch.library.custom_op("fusedlayers::fake_quantize", mutates_args=())
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, quant_min: int, quant_max: int,
-                  axis: int | None, group_size: int, grad_factor: float) -> Tensor:
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    z = forward_zero_point(zero_point, quant_min, quant_max)
+                  axis: int | None, group_size: int, grad_factor: float) -> tuple[Tensor, Tensor]:
     mode = forward_round_mode(x, axis, group_size)
     if _run_kernel(x, scale.dtype):
-        return kernels.fake_quantize_forward(x, scale.float(), z, quant_min, quant_max,
+        return kernels.fake_quantize_forward(x, scale.float(), _kernel_zero_point(zero_point), quant_min, quant_max,
                                              layout(x.shape, axis, group_size), mode)
-    return fake_quantize_reference(x, scale, z, quant_min, quant_max, axis, group_size, mode)
+    z = forward_zero_point(zero_point, quant_min, quant_max)
+    return fake_quantize_with_mask_reference(x, scale, z, quant_min, quant_max, axis, group_size, mode)
 
 
 @fake_quantize.register_fake
 def _(x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor):
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape), x.new_empty(mask_shape(x.shape, axis, group_size), dtype=torch.uint8)
 
 
 def _fq_setup_context(ctx, inputs, output):
     x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor = inputs
+    _, mask = output
+    ctx.mark_non_differentiable(mask)
     ctx.args = (quant_min, quant_max, axis, group_size)
     ctx.grad_factor = grad_factor
-    ctx.save_for_backward(x, scale, zero_point)
+    ctx.lsq = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    if ctx.lsq:  # LSQ's qparam gradients need x itself
+        ctx.save_for_backward(x, scale, zero_point)
+    else:  # the straight-through estimator needs the mask only
+        ctx.save_for_backward(mask)
 
 
-def _fq_autograd(ctx, grad):
-    x, scale, zero_point = ctx.saved_tensors
+def _fq_autograd(ctx, grad, _grad_mask):
     need_x, need_scale, need_zp = ctx.needs_input_grad[:3]
     dx = dscale = dzp = None
-    if need_scale or need_zp:
-        dx, dscale, dzp = fake_quantize_lsq_backward(grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
-        dx, dscale, dzp = (dx if need_x else None), (dscale if need_scale else None), (dzp if need_zp else None)
+    if ctx.lsq:
+        x, scale, zero_point = ctx.saved_tensors
+        dx, dq = fake_quantize_lsq_backward(grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
+        zp_dtype = zero_point.dtype if zero_point.is_floating_point() else torch.float32
+        dx = dx if need_x else None
+        dscale = dq[0].to(scale.dtype).reshape(scale.shape) if need_scale else None
+        dzp = dq[1].to(zp_dtype).reshape(zero_point.shape) if need_zp else None
     elif need_x:
-        dx = fake_quantize_backward(grad, x, scale, zero_point, *ctx.args)
+        (mask,) = ctx.saved_tensors
+        dx = fake_quantize_backward(grad, mask, *ctx.args[2:])
     return dx, dscale, dzp, None, None, None, None, None
 
 
@@ -253,35 +297,29 @@ fake_quantize.register_autograd(_fq_autograd, setup_context=_fq_setup_context)
 
 
 @torch.library.custom_op("fusedlayers::fake_quantize_backward", mutates_args=())
-def fake_quantize_backward(grad: Tensor, x: Tensor, scale: Tensor, zero_point: Tensor, quant_min: int,
-                           quant_max: int, axis: int | None, group_size: int) -> Tensor:
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    z = forward_zero_point(zero_point, quant_min, quant_max)
-    mode = forward_round_mode(x, axis, group_size)
-    if _run_kernel(x, scale.dtype, grad.dtype):
-        dx, _, _ = kernels.fake_quantize_backward(grad, x, scale.float(), z, quant_min, quant_max,
-                                                  layout(x.shape, axis, group_size), mode, lsq=False)
-        return dx
-    return fake_quantize_backward_reference(grad, x, scale, z, quant_min, quant_max, axis, group_size, mode)
+def fake_quantize_backward(grad: Tensor, mask: Tensor, axis: int | None, group_size: int) -> Tensor:
+    if _run_kernel(grad):
+        M, N, _, _ = layout(grad.shape, axis, group_size)
+        return kernels.fake_quantize_ste_backward(grad, mask, M, N)
+    return ste_backward_reference(grad, mask, axis, group_size)
 
 
 @fake_quantize_backward.register_fake
-def _(grad, x, scale, zero_point, quant_min, quant_max, axis, group_size):
-    return x.new_empty(x.shape)
+def _(grad, mask, axis, group_size):
+    return grad.new_empty(grad.shape)
 
 
 def _bwd_setup_context(ctx, inputs, output):
-    _, x, scale, zero_point, quant_min, quant_max, axis, group_size = inputs
-    ctx.args = (quant_min, quant_max, axis, group_size)
-    ctx.save_for_backward(x, scale, zero_point)
+    _, mask, axis, group_size = inputs
+    ctx.args = (axis, group_size)
+    ctx.save_for_backward(mask)
 
 
 def _bwd_autograd(ctx, v):
-    """dx = grad * mask is linear in grad: its gradient w.r.t. grad is v * mask (and 0 w.r.t. the rest)."""
-    x, scale, zero_point = ctx.saved_tensors
-    d_grad = fake_quantize_backward(v, x, scale, zero_point, *ctx.args) if ctx.needs_input_grad[0] else None
-    return d_grad, None, None, None, None, None, None, None
+    """dx = grad * mask is linear in grad: its gradient w.r.t. grad is v * mask."""
+    (mask,) = ctx.saved_tensors
+    d_grad = fake_quantize_backward(v, mask, *ctx.args) if ctx.needs_input_grad[0] else None
+    return d_grad, None, None, None
 
 
 fake_quantize_backward.register_autograd(_bwd_autograd, setup_context=_bwd_setup_context)
@@ -293,27 +331,21 @@ fake_quantize_backward.register_autograd(_bwd_autograd, setup_context=_bwd_setup
 @torch.library.custom_op("fusedlayers::fake_quantize_lsq_backward", mutates_args=())
 def fake_quantize_lsq_backward(grad: Tensor, x: Tensor, scale: Tensor, zero_point: Tensor, quant_min: int,
                                quant_max: int, axis: int | None, group_size: int,
-                               grad_factor: float) -> tuple[Tensor, Tensor, Tensor]:
-    zp_dtype = zero_point.dtype if zero_point.is_floating_point() else torch.float32
-    z = lsq_zero_point(zero_point, quant_min, quant_max, per_tensor=axis is None and not group_size)
+                               grad_factor: float) -> tuple[Tensor, Tensor]:
     mode = lsq_round_mode(x)
-    if x.numel() == 0:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return dx, torch.zeros_like(scale), torch.zeros(zero_point.shape, dtype=zp_dtype, device=x.device)
     if _run_kernel(x, scale.dtype, grad.dtype):
-        dx, dscale, dzp = kernels.fake_quantize_backward(
-            grad, x, scale.float(), z, quant_min, quant_max, layout(x.shape, axis, group_size), mode,
-            lsq=True, grad_factor=grad_factor)
-    else:
-        dx, dscale, dzp = lsq_backward_reference(grad, x, scale, z, quant_min, quant_max, axis, group_size,
-                                                 grad_factor, mode)
-    return dx, dscale.to(scale.dtype).reshape(scale.shape), dzp.to(zp_dtype).reshape(zero_point.shape)
+        return kernels.fake_quantize_lsq_backward(grad, x, scale.float(), _kernel_zero_point(zero_point), quant_min,
+                                                  quant_max, layout(x.shape, axis, group_size), mode, grad_factor)
+    z = lsq_zero_point(zero_point, quant_min, quant_max, per_tensor=axis is None and not group_size)
+    dx, dscale, dzp = lsq_backward_reference(grad, x, scale, z, quant_min, quant_max, axis, group_size, grad_factor,
+                                             mode)
+    return dx, torch.stack([dscale, dzp])
 
 
 @fake_quantize_lsq_backward.register_fake
 def _(grad, x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor):
-    zp_dtype = zero_point.dtype if zero_point.is_floating_point() else torch.float32
-    return x.new_empty(x.shape), scale.new_empty(scale.shape), zero_point.new_empty(zero_point.shape, dtype=zp_dtype)
+    acc = torch.float64 if torch.float64 in (x.dtype, scale.dtype) else torch.float32
+    return x.new_empty(x.shape), x.new_empty((2, scale.numel()), dtype=acc)
 
 
 # ----------------------------------------------------------------------------- dynamic qparams
@@ -321,37 +353,40 @@ def _(grad, x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_f
 
 @torch.library.custom_op("fusedlayers::fake_quantize_dynamic", mutates_args=())
 def fake_quantize_dynamic(x: Tensor, quant_min: int, quant_max: int, group_size: int,
-                          symmetric: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          symmetric: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     qshape = (*x.shape[:-1], x.shape[-1] // group_size)
     if _run_kernel(x):
-        y, scale, z = kernels.fake_quantize_dynamic_forward(x, quant_min, quant_max, group_size, symmetric, EPS)
-        return y, scale.reshape(qshape), z.reshape(qshape)
+        y, scale, z, mask = kernels.fake_quantize_dynamic_forward(x, quant_min, quant_max, group_size, symmetric,
+                                                                  EPS)
+        return y, scale.reshape(qshape), z.reshape(qshape), mask
     if x.numel() == 0:
         empty = torch.empty(qshape, dtype=torch.float32, device=x.device)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), empty, empty.clone()
+        mask = torch.empty(mask_shape(x.shape, None, group_size), dtype=torch.uint8, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), empty, empty.clone(), mask
     scale, z = dynamic_qparams_reference(x, quant_min, quant_max, group_size, symmetric)
-    y = fake_quantize_reference(x, scale, z, quant_min, quant_max, None, group_size, ROUND_AFTER)
-    return y, scale, z
+    y, mask = fake_quantize_with_mask_reference(x, scale, z, quant_min, quant_max, None, group_size, ROUND_AFTER)
+    return y, scale, z, mask
 
 
 @fake_quantize_dynamic.register_fake
 def _(x, quant_min, quant_max, group_size, symmetric):
     qshape = (*x.shape[:-1], x.shape[-1] // group_size)
-    return x.new_empty(x.shape), x.new_empty(qshape, dtype=torch.float32), x.new_empty(qshape, dtype=torch.float32)
+    return (x.new_empty(x.shape), x.new_empty(qshape, dtype=torch.float32), x.new_empty(qshape, dtype=torch.float32),
+            x.new_empty(mask_shape(x.shape, None, group_size), dtype=torch.uint8))
 
 
 def _dyn_setup_context(ctx, inputs, output):
     x, quant_min, quant_max, group_size, _ = inputs
-    _, scale, zero_point = output
-    ctx.args = (quant_min, quant_max, None, group_size)
-    ctx.mark_non_differentiable(scale, zero_point)
-    ctx.save_for_backward(x, scale, zero_point)
+    _, scale, zero_point, mask = output
+    ctx.group_size = group_size
+    ctx.mark_non_differentiable(scale, zero_point, mask)
+    ctx.save_for_backward(mask)
 
 
-def _dyn_autograd(ctx, grad, grad_scale, grad_zp):
+def _dyn_autograd(ctx, grad, grad_scale, grad_zp, grad_mask):
     """STE: the qparams are treated as constants (as torchao's fake quantizers do)."""
-    x, scale, zero_point = ctx.saved_tensors
-    return fake_quantize_backward(grad, x, scale, zero_point, *ctx.args), None, None, None, None
+    (mask,) = ctx.saved_tensors
+    return fake_quantize_backward(grad, mask, None, ctx.group_size), None, None, None, None
 
 
 fake_quantize_dynamic.register_autograd(_dyn_autograd, setup_context=_dyn_setup_context)
