@@ -200,6 +200,34 @@ def sweep() -> str:
     return "\n".join(lines)
 
 
+def profile() -> str:
+    """torch.profiler's view of the fused op paths (forward + backward), to see where the time between kernels
+    goes: the per-op host time and any synchronisation."""
+    torch.manual_seed(0)
+    w = (torch.randn(N, N, device=DEVICE) * 0.05).requires_grad_()
+    scale = (torch.rand(N, device=DEVICE) * 2e-3 + 2e-4).requires_grad_()
+    zp = torch.randint(-10, 10, (N,), device=DEVICE).float().requires_grad_()
+    g = torch.randn_like(w)
+    ste = grad_of(lambda x: torch.ops.fusedlayers.fake_quantize(x, scale.detach(), zp.detach(), QMIN, QMAX, 0, 0,
+                                                                 1.0)[0], w, g)
+    lsq = grad_of(lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, 0.01)[0], w, g,
+                  scale, zp)
+    out = []
+    for name, fn in (("straight-through", ste), ("learnable", lsq)):
+        for _ in range(5):
+            fn()
+        sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            sync()
+        out.append(f"{name} (10 calls)\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=18,
+                                                                        max_name_column_width=60))
+        print(out[-1], flush=True)
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| case | impl | ms | TB/s (fused bytes) | of copy | fused speed-up |", "|" + "---|" * 6]
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -217,11 +245,15 @@ def main() -> None:
     parser.add_argument("--out-dir", default=None, help="write it to DIR/<device>-fake_quantize.md")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at several tile sizes")
     parser.add_argument("--dry-run", action="store_true", help="run the script on CPU at tiny sizes (no timing)")
+    parser.add_argument("--profile", action="store_true", help="only print torch.profiler tables of the fused paths")
     args = parser.parse_args()
     if args.dry_run:
         global N, TOKENS, WIDTH, DEVICE, COMPILE, DRY_RUN
         N, TOKENS, WIDTH, DEVICE, COMPILE, DRY_RUN = 256, 512, 256, "cpu", dict(backend="eager"), True
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    if args.profile:
+        profile()
+        return
     sweep_text = sweep() if args.sweep else ""
     gc.collect()
     if DEVICE == "cuda":
@@ -239,8 +271,9 @@ def main() -> None:
         f"{triton.__version__}, python {platform.python_version()}. 8192 x 8192 fp32 weight, per-channel (axis 0) "
         "int8 [-128, 127], random data and qparams; do_bench median; forward+backward via torch.autograd.grad "
         f"(no .grad accumulation). Device-to-device copy (read + write) in the same run: {copy_text}. "
-        "'TB/s (fused bytes)' is the fused kernels' traffic for the case (8 B/element forward, 20 B/element "
-        "forward+backward) / that row's time, 'of copy' the same as a fraction of the copy; 'fused speed-up' = "
+        "'TB/s (fused bytes)' is the fused kernels' traffic for the case (8.125 B/element forward: x, y and a "
+        "mask bit; 16.25 B/element forward+backward with the straight-through gradient, 20.125 with LSQ's) / that "
+        "row's time, 'of copy' the same as a fraction of the copy; 'fused speed-up' = "
         "row time / fastest fused time. 'fl.fake_quantize' includes its argument checks (a host sync on the "
         "qparams, as torch's own per-channel op does); '(op)' calls torch.ops.fusedlayers directly (what "
         f"FakeQuantLinear does). Tile: {kernels.TILE_ELEMENTS} elements per program.\n\n"

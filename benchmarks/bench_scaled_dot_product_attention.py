@@ -8,8 +8,9 @@ batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
-processes), prints the best, and runs the table with them. FlashAttention's own package is not installed
-on the lent GPU, so SDPA's backends are the peers.
+processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
+candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
+FlashAttention's own package is not installed on the lent GPU, so SDPA's backends are the peers.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ CANDIDATES = {
     ("dkdv", 128): [(16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 3)],
     ("dq", 64): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
     ("dq", 128): [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2)],
+}
+# --sweep-at: more candidates, for D = 64 causal at one shape (short sequences: smaller tiles balance better).
+WIDE_CANDIDATES = {
+    ("fwd", 64): [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3),
+                  (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2)],
+    ("dkdv", 64): [(32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
+                   (64, 64, 4, 3), (32, 128, 4, 3), (16, 64, 4, 3), (64, 128, 8, 3), (32, 64, 8, 3)],
+    ("dq", 64): [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2),
+                 (128, 64, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (128, 128, 8, 2), (64, 64, 8, 3)],
 }
 OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG"}
 
@@ -167,23 +177,26 @@ def precompile(jobs, workers):
     return failed
 
 
-def sweep(lengths, workers):
-    jobs = [(kind, d, causal, cfg) for (kind, d), cfgs in CANDIDATES.items() for causal in (False, True)
-            for cfg in cfgs]
+def sweep(lengths, workers, at=None):
+    """Best config per (kernel, D, causal) over ``lengths`` (batch * L = TOKENS, H * D = WIDTH), or, with
+    ``at`` = (B, H, L, D), over WIDE_CANDIDATES on that causal shape alone."""
+    candidates = {key: cfgs for key, cfgs in WIDE_CANDIDATES.items() if key[1] == at[3]} if at else CANDIDATES
+    causals = (True,) if at else (False, True)
+    jobs = [(kind, d, causal, cfg) for (kind, d), cfgs in candidates.items() for causal in causals for cfg in cfgs]
     failed = precompile(jobs, workers)
     best = {}
     print("\n| kernel | D | causal | L | config (BM, BN, warps, stages) | ms | TFLOP/s |")
     print("|---|---|---|---|---|---|---|")
-    for (kind, d), cfgs in CANDIDATES.items():
-        for causal in (False, True):
+    for (kind, d), cfgs in candidates.items():
+        for causal in causals:
             scores = {}
             for cfg in cfgs:
                 if (kind, d, causal, cfg) in failed:
                     continue
                 _set_config(kind, cfg)
                 total = 0.0
-                for length in lengths:
-                    b, h = TOKENS // length, WIDTH // d
+                for length in ([at[2]] if at else lengths):
+                    b, h = (at[0], at[1]) if at else (TOKENS // length, WIDTH // d)
                     q, k, v = make(b, h, length, d, grad=False)
                     do = torch.randn_like(q)
                     try:
@@ -295,11 +308,15 @@ def main():
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-lengths", default="4096")
+    ap.add_argument("--sweep-at", default=None, help="B,H,L,D: sweep causal configs at this shape only, no table")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if args.sweep_at:
+        sweep([], args.workers, at=tuple(int(x) for x in args.sweep_at.split(",")))
+        return
     best = sweep([int(x) for x in args.sweep_lengths.split(",")], args.workers) if args.sweep else {}
     if not args.sweep:  # compile the default configs in parallel before timing
         precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128)
