@@ -18,7 +18,7 @@ byte count for every row of a case, so the fraction is a speed on one scale). Th
 backward (read dy and the mask, write dx) and 12 B/element in the LSQ backward (read x and dy, write dx; its
 per-tile partial sums are negligible).
 
-    python benchmarks/bench_fake_quantize.py [--out benchmarks/results/<device>-fake_quantize.md] [--sweep]
+    python benchmarks/bench_fake_quantize.py [--out benchmarks/results/<device>-fake_quantize.md] [--sweep] [--host]
 """
 
 from __future__ import annotations
@@ -200,32 +200,48 @@ def sweep() -> str:
     return "\n".join(lines)
 
 
-def profile() -> str:
-    """torch.profiler's view of the fused op paths (forward + backward), to see where the time between kernels
-    goes: the per-op host time and any synchronisation."""
+def host_overhead() -> str:
+    """Host time per call of each fused path and its torch peer on a 64 x 64 weight (the GPU work is
+    negligible, so a loop of calls runs at the speed of the CPU issuing them), and the parts of the fused
+    path: the Triton launch alone, the launcher, the op without and with autograd."""
     torch.manual_seed(0)
-    w = (torch.randn(N, N, device=DEVICE) * 0.05).requires_grad_()
-    scale = (torch.rand(N, device=DEVICE) * 2e-3 + 2e-4).requires_grad_()
-    zp = torch.randint(-10, 10, (N,), device=DEVICE).float().requires_grad_()
+    n = 64
+    w = (torch.randn(n, n, device=DEVICE) * 0.05).requires_grad_()
+    scale = (torch.rand(n, device=DEVICE) * 2e-3 + 2e-4).requires_grad_()
+    zp = torch.randint(-10, 10, (n,), device=DEVICE).float().requires_grad_()
+    zp_i = zp.detach().int()
     g = torch.randn_like(w)
-    ste = grad_of(lambda x: torch.ops.fusedlayers.fake_quantize(x, scale.detach(), zp.detach(), QMIN, QMAX, 0, 0,
-                                                                 1.0)[0], w, g)
-    lsq = grad_of(lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, 0.01)[0], w, g,
-                  scale, zp)
-    out = []
-    for name, fn in (("straight-through", ste), ("learnable", lsq)):
-        for _ in range(5):
+    s_, z_ = scale.detach(), zp.detach()
+    layout = (n, n, n, kernels.PER_ROW)
+    op = torch.ops.fusedlayers.fake_quantize
+    cases = {} if DRY_RUN else {  # (the launcher alone needs a GPU)
+        "fused: kernels.fake_quantize_forward (launcher + Triton launch)":
+            lambda: kernels.fake_quantize_forward(w.detach(), s_, z_, QMIN, QMAX, layout, 0),
+    }
+    cases |= {
+        "fused: op forward, no grad": lambda: op(w.detach(), s_, z_, QMIN, QMAX, 0, 0, 1.0),
+        "fused: op forward, recording autograd": lambda: op(w, s_, z_, QMIN, QMAX, 0, 0, 1.0),
+        "fused: straight-through fwd+bwd": grad_of(lambda x: op(x, s_, z_, QMIN, QMAX, 0, 0, 1.0)[0], w, g),
+        "torch: per-channel fwd+bwd": grad_of(
+            lambda x: torch.fake_quantize_per_channel_affine(x, s_, zp_i, 0, QMIN, QMAX), w, g),
+        "fused: learnable fwd+bwd": grad_of(lambda x, s, z: op(x, s, z, QMIN, QMAX, 0, 0, 0.01)[0], w, g, scale, zp),
+        "torch: learnable fwd+bwd": grad_of(
+            lambda x, s, z: torch._fake_quantize_learnable_per_channel_affine(x, s, z, 0, QMIN, QMAX, 0.01), w, g,
+            scale, zp),
+        "torch: x * 2 fwd+bwd (autograd's floor)": grad_of(lambda x: x * 2, w, g),
+    }
+    lines = ["| path (64 x 64 weight) | host us per call |", "|---|---|"]
+    for name, fn in cases.items():
+        for _ in range(50):
             fn()
         sync()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            sync()
-        out.append(f"{name} (10 calls)\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=18,
-                                                                        max_name_column_width=60))
-        print(out[-1], flush=True)
-    return "\n".join(out)
+        start = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        sync()
+        lines.append(f"| {name} | {(time.perf_counter() - start) * 1e3:.1f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -245,15 +261,13 @@ def main() -> None:
     parser.add_argument("--out-dir", default=None, help="write it to DIR/<device>-fake_quantize.md")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at several tile sizes")
     parser.add_argument("--dry-run", action="store_true", help="run the script on CPU at tiny sizes (no timing)")
-    parser.add_argument("--profile", action="store_true", help="only print torch.profiler tables of the fused paths")
+    parser.add_argument("--host", action="store_true", help="also time the host side of each path (tiny weight)")
     args = parser.parse_args()
     if args.dry_run:
         global N, TOKENS, WIDTH, DEVICE, COMPILE, DRY_RUN
         N, TOKENS, WIDTH, DEVICE, COMPILE, DRY_RUN = 256, 512, 256, "cpu", dict(backend="eager"), True
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
-    if args.profile:
-        profile()
-        return
+    host_text = host_overhead() if args.host else ""
     sweep_text = sweep() if args.sweep else ""
     gc.collect()
     if DEVICE == "cuda":
@@ -279,6 +293,8 @@ def main() -> None:
         f"FakeQuantLinear does). Tile: {kernels.TILE_ELEMENTS} elements per program.\n\n"
     )
     text = header + table(rows) + "\n"
+    if host_text:
+        text += "\nHost time per call (the CPU issuing the work; no GPU wait at this size):\n\n" + host_text + "\n"
     if sweep_text:
         text += "\nTile sweep (fused kernels alone):\n\n```\n" + sweep_text + "\n```\n"
     print(text)

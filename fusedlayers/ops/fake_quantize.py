@@ -265,6 +265,7 @@ def _fq_setup_context(ctx, inputs, output):
     x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_factor = inputs
     _, mask = output
     ctx.mark_non_differentiable(mask)
+    ctx.set_materialize_grads(False)  # no zeros made for the mask's gradient (a kernel per call)
     ctx.args = (quant_min, quant_max, axis, group_size)
     ctx.grad_factor = grad_factor
     ctx.lsq = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -277,6 +278,8 @@ def _fq_setup_context(ctx, inputs, output):
 def _fq_autograd(ctx, grad, _grad_mask):
     need_x, need_scale, need_zp = ctx.needs_input_grad[:3]
     dx = dscale = dzp = None
+    if grad is None:  # y did not reach the loss
+        return dx, dscale, dzp, None, None, None, None, None
     if ctx.lsq:
         x, scale, zero_point = ctx.saved_tensors
         dx, dq = fake_quantize_lsq_backward(grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
@@ -380,13 +383,15 @@ def _dyn_setup_context(ctx, inputs, output):
     _, scale, zero_point, mask = output
     ctx.group_size = group_size
     ctx.mark_non_differentiable(scale, zero_point, mask)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(mask)
 
 
 def _dyn_autograd(ctx, grad, grad_scale, grad_zp, grad_mask):
     """STE: the qparams are treated as constants (as torchao's fake quantizers do)."""
     (mask,) = ctx.saved_tensors
-    return fake_quantize_backward(grad, mask, None, ctx.group_size), None, None, None, None
+    dx = fake_quantize_backward(grad, mask, None, ctx.group_size) if grad is not None else None
+    return dx, None, None, None, None
 
 
 fake_quantize_dynamic.register_autograd(_dyn_autograd, setup_context=_dyn_setup_context)
