@@ -76,6 +76,21 @@ def grad_of(f, x, g, *extra):
     return run
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph: replaying it runs its kernels with no host work in between, so the
+    timing is GPU time alone (an eager call of a 0.3 ms op can be bound by the CPU issuing it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph's docs ask
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def torchao_per_token(x):
     """torchao's choose_qparams_per_token_asymmetric + fake quant, in torch."""
     mn = torch.clamp(x.amin(-1, keepdim=True), max=0.0)
@@ -140,6 +155,9 @@ def bench(copy_bw_of) -> list[dict]:
     case = "per-channel int8 fwd+bwd"
     for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (op, no arg checks)", fused_op)):
         add(case, impl, grad_of(f, wr, g), ste_bytes)
+    if not DRY_RUN:
+        for impl, f in (("torch eager, CUDA graph", stock), ("fused (op), CUDA graph", fused_op)):
+            add(case, impl, graphed(grad_of(f, wr, g)), ste_bytes)
     # --- learnable (LSQ), forward + backward
     gf = 1.0 / math.sqrt(N * QMAX)
     s_l = scale.clone().requires_grad_()
@@ -150,6 +168,9 @@ def bench(copy_bw_of) -> list[dict]:
     case = "learnable per-channel int8 fwd+bwd"
     for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (op)", fused_l)):
         add(case, impl, grad_of(f, wr, g, s_l, z_l), lsq_bytes)
+    if not DRY_RUN:
+        for impl, f in (("torch eager, CUDA graph", stock_l), ("fused (op), CUDA graph", fused_l)):
+            add(case, impl, graphed(grad_of(f, wr, g, s_l, z_l)), lsq_bytes)
     # --- dynamic symmetric per channel (FakeQuantLinear's weight path), forward + backward
     case = "dynamic per-channel int8 fwd+bwd"
     fused_d = lambda x: torch.ops.fusedlayers.fake_quantize_dynamic(x, QMIN, QMAX, N, True)[0]  # noqa: E731
@@ -290,7 +311,9 @@ def main() -> None:
         "row's time, 'of copy' the same as a fraction of the copy; 'fused speed-up' = "
         "row time / fastest fused time. 'fl.fake_quantize' includes its argument checks (a host sync on the "
         "qparams, as torch's own per-channel op does); '(op)' calls torch.ops.fusedlayers directly (what "
-        f"FakeQuantLinear does). Tile: {kernels.TILE_ELEMENTS} elements per program.\n\n"
+        "FakeQuantLinear does); ', CUDA graph' rows time the same forward+backward captured in a CUDA graph and "
+        "replayed (GPU time only: no host work between the kernels). "
+        f"Tile: {kernels.TILE_ELEMENTS} elements per program.\n\n"
     )
     text = header + table(rows) + "\n"
     if host_text:
