@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import time
 from contextlib import nullcontext
 
@@ -61,6 +62,9 @@ def train_step(model, opt, idx, targets, autocast):
 
 
 def measure(name: str, overrides: dict, mode: str | None, args, device) -> dict:
+    if device.type == "cuda":  # the previous variant's cached blocks must not count as this one's reserved peak
+        gc.collect()
+        torch.cuda.empty_cache()
     model, opt = build(overrides, args, device)
     T = model.config.block_size
     if mode is not None:  # the model (forward + backward), as nanoGPT does; the fused AdamW step stays eager
