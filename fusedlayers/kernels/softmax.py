@@ -36,6 +36,7 @@ class LoopConfig(NamedTuple):
     warps: int
     programs_per_sm: int  # > 0: a persistent grid of this many programs per SM; 0: one program per row
     stages: int  # software-pipelining depth of the sweeps (loads issued ahead of their use)
+    l2_hints: bool = False  # sweep 1 loads evict_last, sweep 2 loads and the stores evict_first (keep x in L2)
 
 
 # Measured on an H200 (benchmarks/bench_softmax.py --tune), bf16 rows of 32K-128K columns.
@@ -47,9 +48,10 @@ LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=3)
 def _scores_tile(
     x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, EVICT: tl.constexpr = "",
 ):
-    """Load a (rows x cols) tile of x and return x * scale with masks applied (fp32, -inf = masked)."""
+    """Load a (rows x cols) tile of x and return x * scale with masks applied (fp32, -inf = masked).
+    ``EVICT``: the L2 eviction policy of the loads ("" default, "evict_last", "evict_first")."""
     r = rows[:, None]
     c = cols[None, :]
     inside = (r < n_rows) & (c < n_cols)
@@ -58,13 +60,13 @@ def _scores_tile(
         inside_kept = inside & (c <= q)  # masked-out keys are never read
     else:
         inside_kept = inside
-    x = tl.load(x_ptr + r.to(tl.int64) * stride_xr + c * stride_xc, mask=inside_kept, other=0.0)
+    x = tl.load(x_ptr + r.to(tl.int64) * stride_xr + c * stride_xc, mask=inside_kept, other=0.0, eviction_policy=EVICT)
     # Padding lanes are -inf whatever the scale (scale may be 0 or negative).
     z = tl.where(inside_kept, x.to(tl.float32) * scale, float("-inf"))
     if HAS_MASK:
         bh = (r // q_len).to(tl.int64)
         off = (bh // mask_b) * mask_sb + (bh % mask_b) * mask_sh + q * mask_sq + c * mask_sk
-        m = tl.load(mask_ptr + off, mask=inside_kept, other=0)
+        m = tl.load(mask_ptr + off, mask=inside_kept, other=0, eviction_policy=EVICT)
         if MASK_IS_BOOL:
             z = tl.where(m != 0, z, float("-inf"))
         else:
@@ -101,7 +103,7 @@ def _softmax_fwd_looped_kernel(
     x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
 ):
     # Persistent: a few programs per SM walk the rows, so the rows in flight fit in L2 and sweep 2
     # re-reads from L2 what sweep 1 brought in (HBM traffic stays near 2 tensors, not 3).
@@ -109,7 +111,7 @@ def _softmax_fwd_looped_kernel(
         _softmax_fwd_looped_row(
             x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N, STAGES,
+            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N, STAGES, L2_HINTS,
         )
 
 
@@ -118,9 +120,11 @@ def _softmax_fwd_looped_row(
     x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
 ):
     rows = row + tl.arange(0, 1)
+    KEEP: tl.constexpr = "evict_last" if L2_HINTS else ""
+    DROP: tl.constexpr = "evict_first" if L2_HINTS else ""
     # Sweep 1: running max m and sum s of exp(z - m), one block max per step (one exp per element).
     m = tl.full((1,), float("-inf"), tl.float32)
     s = tl.zeros((1,), tl.float32)
@@ -128,7 +132,7 @@ def _softmax_fwd_looped_row(
         cols = start + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
-            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, KEEP,
         )
         m_new = tl.maximum(m, tl.max(z, axis=1))
         # While everything seen is -inf, s stays 0 (avoids exp(-inf - -inf) = NaN).
@@ -147,11 +151,11 @@ def _softmax_fwd_looped_row(
         cols = (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
         z, inside = _scores_tile(
             x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
-            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+            mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, DROP,
         )
         y = tl.exp(z - row_max[:, None]) * inv[:, None]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=inside)
+                 mask=inside, eviction_policy=DROP)
 
 
 @triton.jit
@@ -175,32 +179,37 @@ def _softmax_bwd_kernel(
 @triton.jit
 def _softmax_bwd_looped_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
 ):
     for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):  # persistent, as the forward
-        _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N, STAGES)
+        _softmax_bwd_looped_row(g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N, STAGES,
+                                L2_HINTS)
 
 
 @triton.jit
 def _softmax_bwd_looped_row(
-    g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr, STAGES: tl.constexpr
+    g_ptr, y_ptr, dx_ptr, row, n_cols, stride_gr, stride_gc, scale, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
 ):
     row = (row + tl.arange(0, 1)).to(tl.int64)  # a (1,) int64 tensor: 64-bit offsets below
+    KEEP: tl.constexpr = "evict_last" if L2_HINTS else ""
+    DROP: tl.constexpr = "evict_first" if L2_HINTS else ""
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
-        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
-        acc += g * y
+        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0, eviction_policy=KEEP).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0, eviction_policy=KEEP)
+        acc += g.to(tl.float32) * y
     dot = tl.sum(acc, axis=0)
     last = tl.cdiv(n_cols, BLOCK_N) - 1  # second sweep backwards, as in the forward
     for step in tl.range(0, last + 1, num_stages=STAGES):
         cols = (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = cols < n_cols
-        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
-        dx = scale * y * (g - dot)
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+        y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0, eviction_policy=DROP).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0, eviction_policy=DROP)
+        dx = scale * y * (g.to(tl.float32) - dot)
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside, eviction_policy=DROP)
 
 
 @functools.cache
@@ -215,7 +224,7 @@ def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig
     programs = _multiprocessors(x.device) * config.programs_per_sm
     grid = (min(n_rows, programs) if programs else n_rows,)
     block_n = min(config.block_n * 2 // max(x.element_size(), 2), triton.next_power_of_2(n_cols))
-    return grid, dict(BLOCK_N=block_n, STAGES=config.stages, num_warps=config.warps)
+    return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
 def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
