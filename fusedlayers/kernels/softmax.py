@@ -39,9 +39,10 @@ class LoopConfig(NamedTuple):
     l2_hints: bool = False  # sweep 1 loads evict_last, sweep 2 loads and the stores evict_first (keep x in L2)
 
 
-# Measured on an H200 (benchmarks/bench_softmax.py --tune), bf16 rows of 32K-128K columns.
-LOOP_FORWARD = LoopConfig(block_n=8192, warps=16, programs_per_sm=0, stages=1)
-LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=3)
+# Measured on an H200, bf16 rows of 65536 columns (benchmarks/results/h200-softmax.md, tuning notes): with the L2
+# hints, one 16K-column block per step; the backward reads two tensors per step and wants a deeper pipeline.
+LOOP_FORWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=1, l2_hints=True)
+LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=4, l2_hints=True)
 
 
 @triton.jit
