@@ -49,7 +49,7 @@ LOOP_BACKWARD = LoopConfig(block_n=16384, warps=16, programs_per_sm=0, stages=4,
 def _scores_tile(
     x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, EVICT: tl.constexpr = "",
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Load a (rows x cols) tile of x and return x * scale with masks applied (fp32, -inf = masked).
     ``EVICT``: the L2 eviction policy of the loads ("" default, "evict_last", "evict_first")."""
@@ -84,9 +84,10 @@ def _softmax_fwd_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
+    NO_HINT: tl.constexpr = ""  # the default L2 policy
     z, inside = _scores_tile(
         x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
-        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, NO_HINT,
     )
     row_max = tl.max(z, axis=1)
     if ZERO_EMPTY_ROWS:
