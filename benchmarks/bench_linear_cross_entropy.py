@@ -22,7 +22,7 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
-from bench_cross_entropy import peak_extra_bytes  # the same measurement for both benchmarks
+from bench_cross_entropy import copy_bandwidth, peak_extra_bytes  # the same measurements for both
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -35,13 +35,6 @@ MiB = 2**20
 
 def median_ms(fn, rep: int = 300) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a device-to-device copy of a 1 GiB tensor."""
-    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3)  # freed on return
 
 
 def eager_upcast(x, w, t):
