@@ -278,7 +278,7 @@ def _tile_config(M: int, N: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def mask_shape(M: int, N: int) -> tuple[int, int]:
+def _packed_shape(M: int, N: int) -> tuple[int, int]:
     """Shape of the packed mask of an (M, N) view: a byte per 8 columns of each row."""
     return M, (N + 7) // 8
 
@@ -298,7 +298,7 @@ def fake_quantize_forward(
     layout: tuple[int, int, int, int], round_mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantize ``x`` (any float dtype but fp64) into a new contiguous tensor of x's dtype, and the
-    packed mask (uint8, ``mask_shape(M, N)``).
+    packed mask (uint8, ``_packed_shape(M, N)``).
 
     ``scale``: fp32 qparams, ``zero_point``: integer (used as is) or floating (rounded half to even and
     clamped in the kernel); both indexed per ``layout = (M, N, C, qp_mode)``.
@@ -306,7 +306,7 @@ def fake_quantize_forward(
     x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     M, N, C, qp_mode = layout
-    mask = torch.empty(mask_shape(M, N), dtype=torch.uint8, device=x.device)
+    mask = torch.empty(_packed_shape(M, N), dtype=torch.uint8, device=x.device)
     if y.numel() == 0:
         return y, mask
     block_m, block_n, num_warps = _tile_config(M, N)
@@ -372,14 +372,14 @@ def fake_quantize_dynamic_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fake-quantize each group of ``group_size`` consecutive elements of x's last dim with qparams from
     the group's own min/max. Returns (y, scale, zero_point, mask): the qparams fp32 with one entry per group,
-    the mask packed as ``mask_shape(groups, group_size)``."""
+    the mask packed as ``_packed_shape(groups, group_size)``."""
     x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_groups = x.numel() // group_size if group_size else 0
     scale = torch.empty(n_groups, dtype=torch.float32, device=x.device)
     zero_point = torch.empty(n_groups, dtype=torch.float32, device=x.device)
     M, N = n_groups, group_size
-    mask = torch.empty(mask_shape(M, N), dtype=torch.uint8, device=x.device)
+    mask = torch.empty(_packed_shape(M, N), dtype=torch.uint8, device=x.device)
     if y.numel() == 0:
         return y, scale, zero_point, mask
     args = (x, y, mask, scale, zero_point, M, N, mask.shape[1], float(quant_min), float(quant_max),
