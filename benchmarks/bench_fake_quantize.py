@@ -34,6 +34,7 @@ import time
 
 import torch
 import triton
+from timing import kernel_ms
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -74,19 +75,6 @@ def grad_of(f, x, g, *extra):
     def run():
         return torch.autograd.grad(f(x, *extra), (x, *extra), g)
     return run
-
-
-def kernel_ms(fn, calls: int = 20) -> float:
-    """GPU time per call of ``fn``: the kernels' own durations summed by torch.profiler, so that the time
-    the GPU waits for the CPU between kernels is left out (an eager call of a 0.3 ms op can be bound by the
-    CPU issuing it; torch's per-channel op also syncs with the host, so it cannot be graph-captured)."""
-    fn()
-    sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        sync()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 def torchao_per_token(x):

@@ -1,0 +1,20 @@
+"""Timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kernel_ms(fn, calls: int = 20) -> float:
+    """GPU time per call of ``fn``: its kernels' own durations, summed by torch.profiler over ``calls`` calls.
+
+    Leaves out the time the GPU waits for the CPU between kernels, which a wall-clock timer (do_bench) counts:
+    where the host cannot issue the work as fast as the GPU runs it, the two differ, and this one is the
+    device's share. Works where CUDA-graph capture does not (ops that sync with the host)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
