@@ -1,4 +1,5 @@
-"""F-style functions with torch-compatible signatures. Each validates its input, then calls its op."""
+"""F-style functions with torch-compatible signatures. Each validates its input, then calls its op
+(through ``ops._eager.call``: the op's body directly in plain eager code, the registered op otherwise)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from torch import Tensor
 
 from fusedlayers import _validate as v
 from fusedlayers.ops import checkpoint as _checkpoint_ops
-from fusedlayers.ops import cross_entropy as _cross_entropy_ops  # noqa: F401  (registers the ops)
-from fusedlayers.ops import fake_quantize as _fake_quantize_ops  # noqa: F401  (registers the ops)
-from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops  # noqa: F401  (registers the ops)
-from fusedlayers.ops import scaled_dot_product_attention as _attention_ops  # noqa: F401  (registers the ops)
-from fusedlayers.ops import softmax as _softmax_ops  # noqa: F401  (registers torch.ops.fusedlayers.softmax*)
+from fusedlayers.ops import cross_entropy as _cross_entropy_ops
+from fusedlayers.ops import fake_quantize as _fake_quantize_ops
+from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops
+from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
+from fusedlayers.ops import softmax as _softmax_ops
+from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
            "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic"]
@@ -34,8 +36,10 @@ def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> T
         input = input.to(dtype)  # not a widening: torch rounds to dtype before the softmax
         dtype = None
     if input.dim() == 0:
-        return torch.ops.fusedlayers.softmax(input.reshape(1), dtype).reshape(())
-    return torch.ops.fusedlayers.softmax(input.movedim(dim, -1), dtype).movedim(-1, dim)
+        return call(_softmax_ops.softmax, input.reshape(1), dtype).reshape(())
+    if dim == input.dim() - 1:
+        return call(_softmax_ops.softmax, input, dtype)
+    return call(_softmax_ops.softmax, input.movedim(dim, -1), dtype).movedim(-1, dim)
 
 
 def scaled_masked_softmax(
@@ -62,7 +66,7 @@ def scaled_masked_softmax(
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in v.FLOAT_DTYPES:
             raise TypeError(f"attn_mask must be bool (True = keep) or floating (additive), got {attn_mask.dtype}")
         v.check_broadcastable("attn_mask", attn_mask, scores)
-    return torch.ops.fusedlayers.scaled_masked_softmax(scores, scale, attn_mask, is_causal)
+    return call(_softmax_ops.scaled_masked_softmax, scores, scale, attn_mask, is_causal)
 
 
 def scaled_dot_product_attention(
@@ -144,8 +148,8 @@ def scaled_dot_product_attention(
         if attn_mask is not None and attn_mask.dim() > 2:
             attn_mask = attn_mask.expand(full_shape).reshape(-1, heads, q_len, k_len)
     seed = torch.randint(0, 2**31, (2,), dtype=torch.int64) if dropout_p > 0.0 else None
-    out, _ = torch.ops.fusedlayers.scaled_dot_product_attention(
-        query, key, value, attn_mask, seed, dropout_p, is_causal, scale
+    out, _ = call(
+        _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal, scale
     )
     return out.reshape(*batch, heads, q_len, out.shape[-1])
 
@@ -210,8 +214,8 @@ def cross_entropy(
         logits = input.movedim(1, -1).reshape(-1, n_classes)
     if target.dtype not in (torch.int64, torch.int32):
         target = target.long()
-    loss, *_ = torch.ops.fusedlayers.cross_entropy(logits, target.reshape(-1), ignore_index, reduction,
-                                                   label_smoothing, z_loss, _loss_dtype(input))
+    loss, *_ = call(_cross_entropy_ops.cross_entropy, logits, target.reshape(-1), ignore_index, reduction,
+                    label_smoothing, z_loss, _loss_dtype(input))
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -274,7 +278,8 @@ def linear_cross_entropy(
     if target.dtype not in (torch.int64, torch.int32):
         target = target.long()
     grad = torch.is_grad_enabled()
-    loss, *_ = torch.ops.fusedlayers.linear_cross_entropy(
+    loss, *_ = call(
+        _linear_cross_entropy_ops.linear_cross_entropy,
         input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, reduction, label_smoothing,
         z_loss, chunk_size or 0, out_dtype, grad and input.requires_grad, grad and weight.requires_grad,
         grad and bias is not None and bias.requires_grad,
@@ -385,14 +390,18 @@ def fake_quantize(input: Tensor, scale, zero_point, quant_min: int, quant_max: i
         shape = None
     scale = _fake_quant_qparam("scale", scale, input, shape, floating=True)
     zero_point = _fake_quant_qparam("zero_point", zero_point, input, shape, floating=False)
-    if not torch.compiler.is_compiling():  # value checks (a host sync on GPU, as torch's own checks)
-        if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
+    if not torch.compiler.is_compiling():  # value checks: one host sync on GPU (torch's own checks make two)
+        scale_ok = ((scale > 0) & torch.isfinite(scale)).all()
+        zero_point_ok = scale_ok
+        if not zero_point.is_floating_point():
+            zero_point_ok = ((zero_point >= quant_min) & (zero_point <= quant_max)).all()
+        scale_ok, zero_point_ok = torch.stack([scale_ok, zero_point_ok]).tolist()
+        if not scale_ok:
             raise ValueError("scale must be positive and finite")
-        if not zero_point.is_floating_point() and zero_point.numel():
-            if not bool(((zero_point >= quant_min) & (zero_point <= quant_max)).all()):
-                raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
-    y, _ = torch.ops.fusedlayers.fake_quantize(input, scale, zero_point, quant_min, quant_max, axis, group_size or 0,
-                                               grad_factor)
+        if not zero_point_ok:
+            raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
+    y, _ = call(_fake_quantize_ops.fake_quantize, input, scale, zero_point, quant_min, quant_max, axis,
+                group_size or 0, grad_factor)
     return y
 
 
@@ -428,6 +437,6 @@ def fake_quantize_dynamic(input: Tensor, quant_min: int = -128, quant_max: int =
         y = input.new_empty(input.shape)
         empty = input.new_empty((*input.shape[:-1], 0), dtype=torch.float32)
         return (y, empty, empty.clone()) if return_qparams else y
-    y, scale, zero_point, _ = torch.ops.fusedlayers.fake_quantize_dynamic(input, quant_min, quant_max, group_size,
-                                                                        symmetric)
+    y, scale, zero_point, _ = call(_fake_quantize_ops.fake_quantize_dynamic, input, quant_min, quant_max,
+                                   group_size, symmetric)
     return (y, scale, zero_point) if return_qparams else y

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from fusedlayers import functional as F
+from fusedlayers.ops import fake_quantize as fq_ops
+from fusedlayers.ops._eager import call
 
 __all__ = ["Softmax", "CheckpointedBlock", "CrossEntropyLoss", "LinearCrossEntropyLoss", "FakeQuantLinear"]
 
@@ -318,14 +320,14 @@ class FakeQuantLinear(nn.Linear):
         if self.weight_scale is not None:
             axis = 0 if granularity == "per_channel" else None
             group = self.group_size if granularity == "per_group" else 0
-            return torch.ops.fusedlayers.fake_quantize(self.weight, self.weight_scale, self.weight_zero_point, qmin,
-                                                       qmax, axis, group, self.grad_factor)[0]
+            return call(fq_ops.fake_quantize, self.weight, self.weight_scale, self.weight_zero_point, qmin, qmax,
+                        axis, group, self.grad_factor)[0]
         if granularity == "per_tensor":
             scale = absmax_scale(self.weight, self.weight_bits, granularity, None)
             zero = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
-            return torch.ops.fusedlayers.fake_quantize(self.weight, scale, zero, qmin, qmax, None, 0, 1.0)[0]
+            return call(fq_ops.fake_quantize, self.weight, scale, zero, qmin, qmax, None, 0, 1.0)[0]
         group = self.in_features if granularity == "per_channel" else self.group_size
-        return torch.ops.fusedlayers.fake_quantize_dynamic(self.weight, qmin, qmax, group, True)[0]
+        return call(fq_ops.fake_quantize_dynamic, self.weight, qmin, qmax, group, True)[0]
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.fake_quant_enabled:

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedlayers.kernels import cdiv, next_power_of_2
+
 # Rows at least this long run one row per program with the column block autotuned (CUDA).
 LONG_ROW = 4096
 # (BLOCK_N, num_warps) candidates for long rows, forward and backward.
@@ -178,7 +180,7 @@ def _ce_reduce_kernel(loss_ptr, t_ptr, out_ptr, count_ptr, n_rows, stride_t, ign
 def _prune(configs, named_args, **kwargs):
     """Drop column blocks more than twice the row length (all the same once the row fits)."""
     n_cols = named_args["cols_key"]
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(2048, 2 * triton.next_power_of_2(n_cols))]
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(2048, 2 * next_power_of_2(n_cols))]
     return kept or configs[:1]
 
 
@@ -195,7 +197,7 @@ _tuned_configs: dict[tuple, tuple[int, int]] = {}  # (kernel, cols_key, flags, d
 
 def _short_row_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): several rows per program, ~4K elements per tile."""
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), LONG_ROW)
+    block_n = min(next_power_of_2(max(n_cols, 1)), LONG_ROW)
     block_m = max(1, min(16, 4096 // block_n))
     elements = block_m * block_n
     return block_m, block_n, 4 if elements <= 2048 else 8
@@ -206,10 +208,10 @@ def _launch(name: str, x: torch.Tensor, args: tuple, consts: dict, may_tune: boo
     n_rows, n_cols = x.shape
     if n_cols < LONG_ROW or x.device.type != "cuda":
         block_m, block_n, num_warps = _short_row_config(n_cols)
-        kernel[(triton.cdiv(n_rows, block_m),)](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
+        kernel[(cdiv(n_rows, block_m),)](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
                                                 num_warps=num_warps)
         return
-    key = (name, triton.next_power_of_2(n_cols), consts.get("HAS_SMOOTHING"), consts.get("HAS_Z"), x.dtype,
+    key = (name, next_power_of_2(n_cols), consts.get("HAS_SMOOTHING"), consts.get("HAS_Z"), x.dtype,
            x.device)
     config = _tuned_configs.get(key)
     if config is None and may_tune:
@@ -219,7 +221,7 @@ def _launch(name: str, x: torch.Tensor, args: tuple, consts: dict, may_tune: boo
             _tuned_configs[key] = (best.kwargs["BLOCK_N"], best.num_warps)
         return
     block_n, num_warps = config or DEFAULT_LONG_ROW[name]
-    kernel[(n_rows,)](*args, **consts, BLOCK_M=1, BLOCK_N=min(block_n, triton.next_power_of_2(n_cols)),
+    kernel[(n_rows,)](*args, **consts, BLOCK_M=1, BLOCK_N=min(block_n, next_power_of_2(n_cols)),
                       num_warps=num_warps)
 
 
@@ -244,7 +246,7 @@ def cross_entropy_forward(
     if n_rows == 0:
         return loss, lse
     args = (x, target, loss, lse, n_rows, n_cols, x.stride(0), x.stride(1), target.stride(0), ignore_index,
-            float(smoothing), float(z_loss), triton.next_power_of_2(n_cols))
+            float(smoothing), float(z_loss), next_power_of_2(n_cols))
     _launch("fwd", x, args, _consts(smoothing, z_loss))
     return loss, lse
 
@@ -255,7 +257,7 @@ def cross_entropy_reduce(loss_rows: torch.Tensor, target: torch.Tensor, ignore_i
     out = torch.empty((), dtype=out_dtype, device=loss_rows.device)
     count = torch.empty((), dtype=torch.int64, device=loss_rows.device)
     n_rows = loss_rows.shape[0]
-    block = min(4096, max(128, triton.next_power_of_2(max(n_rows, 1))))
+    block = min(4096, max(128, next_power_of_2(max(n_rows, 1))))
     _ce_reduce_kernel[(1,)](loss_rows, target, out, count, n_rows, target.stride(0) if n_rows else 1,
                             ignore_index, MEAN=mean, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out, count
@@ -279,6 +281,6 @@ def cross_entropy_backward(
     in_place = out.data_ptr() == x.data_ptr()
     args = (x, target, lse, grad, count if count is not None else grad, out, n_rows, n_cols, x.stride(0),
             x.stride(1), target.stride(0), stride_g, out.stride(0), ignore_index, float(smoothing), float(z_loss),
-            triton.next_power_of_2(n_cols))
+            next_power_of_2(n_cols))
     _launch("bwd", x, args, dict(MEAN=count is not None, **_consts(smoothing, z_loss)), may_tune=not in_place)
     return out

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedlayers.kernels import cdiv, next_power_of_2
+
 PER_TENSOR, PER_ROW, PER_COL = 0, 1, 2
 ROUND_AFTER, ROUND_FMA, ROUND_INSIDE = 0, 1, 2
 
@@ -272,8 +274,8 @@ def _fq_dynamic_looped_kernel(
 def _tile_config(M: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): about TILE_ELEMENTS elements per program, rows a multiple of 8 wide
     (a whole number of mask bytes)."""
-    block_n = max(8, min(triton.next_power_of_2(max(N, 1)), TILE_ELEMENTS))
-    block_m = min(triton.next_power_of_2(max(M, 1)), max(1, TILE_ELEMENTS // block_n))
+    block_n = max(8, min(next_power_of_2(max(N, 1)), TILE_ELEMENTS))
+    block_m = min(next_power_of_2(max(M, 1)), max(1, TILE_ELEMENTS // block_n))
     num_warps = 4 if block_m * block_n <= 1024 else 8
     return block_m, block_n, num_warps
 
@@ -310,8 +312,8 @@ def fake_quantize_forward(
     if y.numel() == 0:
         return y, mask
     block_m, block_n, num_warps = _tile_config(M, N)
-    grid_n = triton.cdiv(N, block_n)
-    grid = (triton.cdiv(M, block_m) * grid_n,)
+    grid_n = cdiv(N, block_n)
+    grid = (cdiv(M, block_m) * grid_n,)
     _fq_fwd_kernel[grid](
         x, y, mask, _flat(scale), _flat(zero_point), M, N, C, grid_n, mask.shape[1], float(quant_min),
         float(quant_max), QP_MODE=qp_mode, ZP_MODE=_zp_mode(zero_point), ROUND_MODE=round_mode,
@@ -327,8 +329,8 @@ def fake_quantize_ste_backward(grad: torch.Tensor, mask: torch.Tensor, M: int, N
     if dx.numel() == 0:
         return dx
     block_m, block_n, num_warps = _tile_config(M, N)
-    grid_n = triton.cdiv(N, block_n)
-    _fq_ste_bwd_kernel[(triton.cdiv(M, block_m) * grid_n,)](
+    grid_n = cdiv(N, block_n)
+    _fq_ste_bwd_kernel[(cdiv(M, block_m) * grid_n,)](
         grad, mask, dx, M, N, grid_n, mask.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx
@@ -350,7 +352,7 @@ def fake_quantize_lsq_backward(
     if dx.numel() == 0:
         return dx, torch.zeros(2, C, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _tile_config(M, N)
-    grid_m, grid_n = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
+    grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
     part_shape = {PER_TENSOR: (grid_m * grid_n,), PER_ROW: (grid_n, M), PER_COL: (grid_m, N)}[qp_mode]
     parts = torch.empty((2, *part_shape), dtype=torch.float32, device=x.device)  # scale's, zero point's
     _fq_lsq_bwd_kernel[(grid_m * grid_n,)](
@@ -387,15 +389,15 @@ def fake_quantize_dynamic_forward(
     if looped is None:
         looped = N > MAX_ONE_PASS_COLS
     if looped:
-        block_n = max(8, min(LOOP_BLOCK_N, triton.next_power_of_2(N)))
+        block_n = max(8, min(LOOP_BLOCK_N, next_power_of_2(N)))
         _fq_dynamic_looped_kernel[(M,)](*args, SYMMETRIC=symmetric, BLOCK_N=block_n,
                                         num_warps=8 if block_n >= 2048 else 4, enable_fp_fusion=False)
     else:
-        block_n = max(8, triton.next_power_of_2(N))
-        block_m = min(triton.next_power_of_2(M), max(1, TILE_ELEMENTS // block_n))
+        block_n = max(8, next_power_of_2(N))
+        block_m = min(next_power_of_2(M), max(1, TILE_ELEMENTS // block_n))
         elements = block_m * block_n
         num_warps = 4 if elements <= 1024 else 8 if elements <= 8192 else 16
-        _fq_dynamic_kernel[(triton.cdiv(M, block_m),)](
+        _fq_dynamic_kernel[(cdiv(M, block_m),)](
             *args, SYMMETRIC=symmetric, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
             enable_fp_fusion=False,
         )

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedlayers.kernels import cdiv
+
 _ADDMM_OUT_DTYPE: dict[torch.device, bool] = {}
 
 
@@ -76,5 +78,5 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
     numel = src.numel()
     if numel:
         block = 4096
-        _scale_cast_kernel[(triton.cdiv(numel, block),)](src, g, out, numel, BLOCK=block, num_warps=8)
+        _scale_cast_kernel[(cdiv(numel, block),)](src, g, out, numel, BLOCK=block, num_warps=8)
     return out

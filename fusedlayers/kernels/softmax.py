@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedlayers.kernels import cdiv, next_power_of_2
+
 # Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
 MAX_ONE_PASS_COLS = 32768
 
@@ -225,7 +227,7 @@ def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig
     """Grid and launch keywords of a looped kernel reading ``x``."""
     programs = _multiprocessors(x.device) * config.programs_per_sm
     grid = (min(n_rows, programs) if programs else n_rows,)
-    block_n = min(config.block_n * 2 // max(x.element_size(), 2), triton.next_power_of_2(n_cols))
+    block_n = min(config.block_n * 2 // max(x.element_size(), 2), next_power_of_2(n_cols))
     return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
@@ -235,7 +237,7 @@ def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
     Measured on an H200 (benchmarks/results/h200-softmax.md): 32 warps from 16K elements. (16 warps measured ~1%
     faster for the backward alone at 16K-32K columns in the sweep; not adopted until benchmarked end to end.)
     """
-    block_n = triton.next_power_of_2(max(n_cols, 1))
+    block_n = next_power_of_2(max(n_cols, 1))
     block_m = max(1, min(16, 2048 // block_n))
     elements = block_m * block_n
     num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 32
@@ -285,7 +287,7 @@ def softmax_forward(
         _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
-        _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        _softmax_fwd_kernel[(cdiv(n_rows, block_m),)](
             *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
     return y
@@ -312,7 +314,7 @@ def softmax_backward(
         _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
-        _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        _softmax_bwd_kernel[(cdiv(n_rows, block_m),)](
             *args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
     return dx

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from fusedlayers import _validate as v
 from fusedlayers.backend import use_triton
+from fusedlayers.ops._eager import call, custom_op, register_autograd
 
 try:
     from fusedlayers.kernels import cross_entropy as kernels
@@ -116,7 +117,7 @@ def grad_per_row(grad: Tensor, target: Tensor, ignore_index: int, reduction: str
 # ----------------------------------------------------------------------------- forward
 
 
-@torch.library.custom_op("fusedlayers::cross_entropy", mutates_args=())
+@custom_op("fusedlayers::cross_entropy")
 def cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     out_dtype: torch.dtype,
@@ -155,17 +156,17 @@ def _autograd(ctx, grad, _grad_lse, _grad_count):
     logits, target, lse, count = ctx.saved_tensors
     grad_logits = None
     if ctx.needs_input_grad[0] and grad is not None:
-        grad_logits = cross_entropy_backward(grad, logits, target, lse, count, *ctx.args)
+        grad_logits = call(cross_entropy_backward, grad, logits, target, lse, count, *ctx.args)
     return grad_logits, None, None, None, None, None, None
 
 
-cross_entropy.register_autograd(_autograd, setup_context=_setup_context)
+register_autograd(cross_entropy, _autograd, _setup_context)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-@torch.library.custom_op("fusedlayers::cross_entropy_backward", mutates_args=())
+@custom_op("fusedlayers::cross_entropy_backward")
 def cross_entropy_backward(
     grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor, ignore_index: int, reduction: str,
     label_smoothing: float, z_loss: float,
@@ -226,4 +227,4 @@ def _backward_autograd(ctx, v):
     return d_grad, d_logits, None, None, None, None, None, None, None
 
 
-cross_entropy_backward.register_autograd(_backward_autograd, setup_context=_backward_setup_context)
+register_autograd(cross_entropy_backward, _backward_autograd, _backward_setup_context)

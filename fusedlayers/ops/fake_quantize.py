@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers.backend import use_triton
+from fusedlayers.ops._eager import call, custom_op, register_autograd
 
 try:
     from fusedlayers.kernels import fake_quantize as kernels
@@ -245,7 +246,7 @@ def _kernel_zero_point(zero_point: Tensor) -> Tensor:
     return zero_point.float() if zero_point.is_floating_point() else zero_point
 
 
-@torch.library.custom_op("fusedlayers::fake_quantize", mutates_args=())
+@custom_op("fusedlayers::fake_quantize")
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, quant_min: int, quant_max: int,
                   axis: int | None, group_size: int, grad_factor: float) -> tuple[Tensor, Tensor]:
     mode = forward_round_mode(x, axis, group_size)
@@ -282,24 +283,24 @@ def _fq_autograd(ctx, grad, _grad_mask):
         return dx, dscale, dzp, None, None, None, None, None
     if ctx.lsq:
         x, scale, zero_point = ctx.saved_tensors
-        dx, dq = fake_quantize_lsq_backward(grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
+        dx, dq = call(fake_quantize_lsq_backward, grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
         zp_dtype = zero_point.dtype if zero_point.is_floating_point() else torch.float32
         dx = dx if need_x else None
         dscale = dq[0].to(scale.dtype).reshape(scale.shape) if need_scale else None
         dzp = dq[1].to(zp_dtype).reshape(zero_point.shape) if need_zp else None
     elif need_x:
         (mask,) = ctx.saved_tensors
-        dx = fake_quantize_backward(grad, mask, *ctx.args[2:])
+        dx = call(fake_quantize_backward, grad, mask, *ctx.args[2:])
     return dx, dscale, dzp, None, None, None, None, None
 
 
-fake_quantize.register_autograd(_fq_autograd, setup_context=_fq_setup_context)
+register_autograd(fake_quantize, _fq_autograd, _fq_setup_context)
 
 
 # ----------------------------------------------------------------------------- STE backward
 
 
-@torch.library.custom_op("fusedlayers::fake_quantize_backward", mutates_args=())
+@custom_op("fusedlayers::fake_quantize_backward")
 def fake_quantize_backward(grad: Tensor, mask: Tensor, axis: int | None, group_size: int) -> Tensor:
     if _run_kernel(grad):
         M, N, _, _ = layout(grad.shape, axis, group_size)
@@ -321,17 +322,17 @@ def _bwd_setup_context(ctx, inputs, output):
 def _bwd_autograd(ctx, v):
     """dx = grad * mask is linear in grad: its gradient w.r.t. grad is v * mask."""
     (mask,) = ctx.saved_tensors
-    d_grad = fake_quantize_backward(v, mask, *ctx.args) if ctx.needs_input_grad[0] else None
+    d_grad = call(fake_quantize_backward, v, mask, *ctx.args) if ctx.needs_input_grad[0] else None
     return d_grad, None, None, None
 
 
-fake_quantize_backward.register_autograd(_bwd_autograd, setup_context=_bwd_setup_context)
+register_autograd(fake_quantize_backward, _bwd_autograd, _bwd_setup_context)
 
 
 # ----------------------------------------------------------------------------- LSQ backward
 
 
-@torch.library.custom_op("fusedlayers::fake_quantize_lsq_backward", mutates_args=())
+@custom_op("fusedlayers::fake_quantize_lsq_backward")
 def fake_quantize_lsq_backward(grad: Tensor, x: Tensor, scale: Tensor, zero_point: Tensor, quant_min: int,
                                quant_max: int, axis: int | None, group_size: int,
                                grad_factor: float) -> tuple[Tensor, Tensor]:
@@ -354,7 +355,7 @@ def _(grad, x, scale, zero_point, quant_min, quant_max, axis, group_size, grad_f
 # ----------------------------------------------------------------------------- dynamic qparams
 
 
-@torch.library.custom_op("fusedlayers::fake_quantize_dynamic", mutates_args=())
+@custom_op("fusedlayers::fake_quantize_dynamic")
 def fake_quantize_dynamic(x: Tensor, quant_min: int, quant_max: int, group_size: int,
                           symmetric: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     qshape = (*x.shape[:-1], x.shape[-1] // group_size)
@@ -390,8 +391,8 @@ def _dyn_setup_context(ctx, inputs, output):
 def _dyn_autograd(ctx, grad, grad_scale, grad_zp, grad_mask):
     """STE: the qparams are treated as constants (as torchao's fake quantizers do)."""
     (mask,) = ctx.saved_tensors
-    dx = fake_quantize_backward(grad, mask, None, ctx.group_size) if grad is not None else None
+    dx = call(fake_quantize_backward, grad, mask, None, ctx.group_size) if grad is not None else None
     return dx, None, None, None, None
 
 
-fake_quantize_dynamic.register_autograd(_dyn_autograd, setup_context=_dyn_setup_context)
+register_autograd(fake_quantize_dynamic, _dyn_autograd, _dyn_setup_context)

@@ -33,6 +33,7 @@ from torch import Tensor
 from fusedlayers import _validate as v
 from fusedlayers.backend import use_triton
 from fusedlayers.ops import cross_entropy as ce
+from fusedlayers.ops._eager import call, custom_op, register_autograd
 
 try:
     from fusedlayers.kernels import cross_entropy as ce_kernels
@@ -203,7 +204,7 @@ def _empty(x: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- forward
 
 
-@torch.library.custom_op("fusedlayers::linear_cross_entropy", mutates_args=())
+@custom_op("fusedlayers::linear_cross_entropy")
 def linear_cross_entropy(
     input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
     label_smoothing: float, z_loss: float, chunk_size: int, out_dtype: torch.dtype, grad_input: bool,
@@ -284,23 +285,23 @@ def _autograd(ctx, grad, *_unused):
     gx, gw, gb, input, weight, target, bias, lse = ctx.saved_tensors
     precomputed = ctx.flags if ctx.precomputed else (False, False, False)
     outs = [
-        linear_cross_entropy_scale_grad(buf, grad, dtype) if w and have else None
+        call(linear_cross_entropy_scale_grad, buf, grad, dtype) if w and have else None
         for buf, w, have, dtype in zip((gx, gw, gb), want, precomputed, ctx.dtypes, strict=True)
     ]
     rest = [w and not have for w, have in zip(want, precomputed, strict=True)]
     if any(rest):
-        recomputed = linear_cross_entropy_backward(grad, input, weight, target, bias, lse, *ctx.args, *rest)
+        recomputed = call(linear_cross_entropy_backward, grad, input, weight, target, bias, lse, *ctx.args, *rest)
         outs = [r if need else o for o, r, need in zip(outs, recomputed, rest, strict=True)]
     return outs[0], outs[1], None, outs[2], None, None, None, None, None, None, None, None, None
 
 
-linear_cross_entropy.register_autograd(_autograd, setup_context=_setup_context)
+register_autograd(linear_cross_entropy, _autograd, _setup_context)
 
 
 # ----------------------------------------------------------------------------- backward ops
 
 
-@torch.library.custom_op("fusedlayers::linear_cross_entropy_scale_grad", mutates_args=())
+@custom_op("fusedlayers::linear_cross_entropy_scale_grad")
 def linear_cross_entropy_scale_grad(buffer: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     if buffer.dtype != torch.float64 and dtype != torch.float64 and use_triton(buffer):
         return kernels.scale_cast(buffer, grad, dtype)
@@ -313,7 +314,7 @@ def _(buffer, grad, dtype):
     return buffer.new_empty(buffer.shape, dtype=dtype)
 
 
-@torch.library.custom_op("fusedlayers::linear_cross_entropy_backward", mutates_args=())
+@custom_op("fusedlayers::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(
     grad: Tensor, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor,
     ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, chunk_size: int,

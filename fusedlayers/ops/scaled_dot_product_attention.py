@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers.backend import use_triton
+from fusedlayers.ops._eager import call, custom_op, register_autograd
 
 try:
     from fusedlayers.kernels import scaled_dot_product_attention as kernels
@@ -222,7 +223,7 @@ def _empty_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             q.new_empty((B, H, L), dtype=_accumulator(q.dtype)))
 
 
-@torch.library.custom_op("fusedlayers::scaled_dot_product_attention", mutates_args=())
+@custom_op("fusedlayers::scaled_dot_product_attention")
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, seed: Tensor | None,
     dropout_p: float, is_causal: bool, scale: float,
@@ -258,7 +259,8 @@ def _forward_autograd(ctx, grad_out, _grad_lse):
     need_dq, need_dk, need_dv, need_dmask = ctx.needs_input_grad[:4]
     if not (need_dq or need_dk or need_dv or need_dmask):
         return None, None, None, None, None, None, None, None
-    dq, dk, dv, ds = scaled_dot_product_attention_backward(
+    dq, dk, dv, ds = call(
+        scaled_dot_product_attention_backward,
         grad_out, query, key, value, out, lse, attn_mask, seed, ctx.dropout_p, ctx.is_causal, ctx.scale,
         need_dq, need_dk, need_dv, need_dmask,
     )
@@ -270,7 +272,7 @@ def _forward_autograd(ctx, grad_out, _grad_lse):
             None, None, None, None)
 
 
-scaled_dot_product_attention.register_autograd(_forward_autograd, setup_context=_forward_setup_context)
+register_autograd(scaled_dot_product_attention, _forward_autograd, _forward_setup_context)
 
 
 # ----------------------------------------------------------------------------- backward op
@@ -288,7 +290,7 @@ def _backward_outputs(query, key, value, need_dq, need_dk, need_dv, need_dmask):
             query.new_empty((B, H, L, S), dtype=_accumulator(query.dtype)) if need_dmask else none())
 
 
-@torch.library.custom_op("fusedlayers::scaled_dot_product_attention_backward", mutates_args=())
+@custom_op("fusedlayers::scaled_dot_product_attention_backward")
 def scaled_dot_product_attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Tensor | None, seed: Tensor | None, dropout_p: float, is_causal: bool, scale: float,

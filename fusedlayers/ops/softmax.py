@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers.backend import use_triton
+from fusedlayers.ops._eager import call, custom_op, register_autograd
 
 try:
     from fusedlayers.kernels import softmax as kernels
@@ -77,7 +78,7 @@ def softmax_backward_reference(grad: Tensor, out: Tensor, scale: float, acc: tor
 # ----------------------------------------------------------------------------- softmax
 
 
-@torch.library.custom_op("fusedlayers::softmax", mutates_args=())
+@custom_op("fusedlayers::softmax")
 def softmax(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     out_dtype = dtype or x.dtype
     if x.numel() == 0:
@@ -101,16 +102,16 @@ def _softmax_setup_context(ctx, inputs, output):
 
 def _softmax_autograd(ctx, grad):
     (out,) = ctx.saved_tensors
-    return softmax_backward(grad, out, 1.0, ctx.input_dtype), None
+    return call(softmax_backward, grad, out, 1.0, ctx.input_dtype), None
 
 
-softmax.register_autograd(_softmax_autograd, setup_context=_softmax_setup_context)
+register_autograd(softmax, _softmax_autograd, _softmax_setup_context)
 
 
 # ----------------------------------------------------------------------------- scaled masked softmax
 
 
-@torch.library.custom_op("fusedlayers::scaled_masked_softmax", mutates_args=())
+@custom_op("fusedlayers::scaled_masked_softmax")
 def scaled_masked_softmax(scores: Tensor, scale: float, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
     if scores.numel() == 0:
         return torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
@@ -139,21 +140,21 @@ def _scaled_masked_autograd(ctx, grad):
     (out,) = ctx.saved_tensors
     grad_scores = grad_mask = None
     if ctx.needs_input_grad[0]:
-        grad_scores = softmax_backward(grad, out, ctx.scale, ctx.scores_dtype)
+        grad_scores = call(softmax_backward, grad, out, ctx.scale, ctx.scores_dtype)
     if ctx.needs_input_grad[2]:  # an additive float mask that requires grad
         mask_shape, mask_dtype = ctx.mask_meta
-        dz = softmax_backward(grad, out, 1.0, torch.promote_types(grad.dtype, mask_dtype))
+        dz = call(softmax_backward, grad, out, 1.0, torch.promote_types(grad.dtype, mask_dtype))
         grad_mask = dz.sum_to_size(mask_shape).to(mask_dtype)
     return grad_scores, None, grad_mask, None
 
 
-scaled_masked_softmax.register_autograd(_scaled_masked_autograd, setup_context=_scaled_masked_setup_context)
+register_autograd(scaled_masked_softmax, _scaled_masked_autograd, _scaled_masked_setup_context)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-@torch.library.custom_op("fusedlayers::softmax_backward", mutates_args=())
+@custom_op("fusedlayers::softmax_backward")
 def softmax_backward(grad: Tensor, out: Tensor, scale: float, input_dtype: torch.dtype) -> Tensor:
     if out.numel() == 0:
         return torch.empty(out.shape, dtype=input_dtype, device=out.device)
@@ -180,7 +181,7 @@ def _backward_autograd(ctx, v):
     grad, out = ctx.saved_tensors
     d_grad = d_out = None
     if ctx.needs_input_grad[0]:
-        d_grad = softmax_backward(v, out, ctx.scale, grad.dtype)
+        d_grad = call(softmax_backward, v, out, ctx.scale, grad.dtype)
     if ctx.needs_input_grad[1]:
         acc = _accumulator(grad.dtype, out.dtype, v.dtype)
         g, y, v_ = grad.to(acc), out.to(acc), v.to(acc)
@@ -190,7 +191,7 @@ def _backward_autograd(ctx, v):
     return d_grad, d_out, None, None
 
 
-softmax_backward.register_autograd(_backward_autograd, setup_context=_backward_setup_context)
+register_autograd(softmax_backward, _backward_autograd, _backward_setup_context)
 
 
 # Under CUDA autocast torch.softmax runs in fp32; do the same. (CPU autocast leaves softmax alone, as here.)

@@ -1,0 +1,116 @@
+"""The eager fast path (fusedlayers/ops/_eager.py): the F-style functions run the ops' bodies without the
+dispatcher in plain eager code, and the registered ops wherever something could tell the difference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedlayers as fl
+from fusedlayers.ops import _eager
+
+
+def _node(t: torch.Tensor) -> str:
+    return type(t.grad_fn).__name__
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_eager_takes_the_fast_path_and_modes_take_the_op():
+    x = torch.randn(3, 5, requires_grad=True)
+    assert _node(fl.softmax(x)) == "_EagerOpBackward"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the op's autocast rule must apply
+        assert _node(fl.softmax(x)) != "_EagerOpBackward"
+    with _PassThrough():  # e.g. FakeTensorMode, selective checkpointing, FlopCounterMode
+        assert _node(fl.softmax(x)) != "_EagerOpBackward"
+    with torch.device("cpu"):  # a function mode
+        assert _node(fl.softmax(x)) != "_EagerOpBackward"
+    _eager.enabled = False
+    try:
+        assert _node(fl.softmax(x)) != "_EagerOpBackward"
+    finally:
+        _eager.enabled = True
+
+
+def test_no_grad_calls_the_body_without_a_graph():
+    x = torch.randn(3, 5, requires_grad=True)
+    with torch.no_grad():
+        y = fl.softmax(x)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, torch.softmax(x, -1), rtol=0, atol=1e-6)
+
+
+def test_functorch_transforms_take_the_op():
+    x = torch.randn(4, 3, 5)  # vmap runs the op through the dispatcher's batching fallback, per sample
+    torch.testing.assert_close(torch.vmap(fl.softmax)(x), torch.softmax(x, -1), rtol=0, atol=1e-6)
+
+
+def _both_paths(fn, *inputs):
+    """fn's outputs and the gradients of every input that requires grad, with the fast path on and off."""
+    results = []
+    for enabled in (True, False):
+        _eager.enabled = enabled
+        try:
+            torch.manual_seed(0)
+            leaves = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                      for t in inputs]
+            out = fn(*leaves)
+            outs = out if isinstance(out, tuple) else (out,)
+            loss = sum((o.float() * torch.linspace(-1, 2, o.numel()).reshape(o.shape)).sum()
+                       for o in outs if o.is_floating_point())
+            loss.backward()
+            results.append([*outs, *(t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad)])
+        finally:
+            _eager.enabled = True
+    return results
+
+
+CASES = {
+    "softmax": (lambda x: fl.softmax(x, 1), (torch.randn(3, 7, 5),)),
+    "scaled_masked_softmax": (lambda s, m: fl.scaled_masked_softmax(s, 0.5, m, is_causal=True),
+                              (torch.randn(2, 6, 6), torch.randn(6, 6))),
+    "attention": (lambda q, k, v: fl.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True),
+                  (torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16))),
+    "cross_entropy": (lambda x, t: fl.cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-3),
+                      (torch.randn(10, 33), torch.randint(0, 33, (10,)))),
+    "linear_cross_entropy": (lambda x, w, b, t: fl.linear_cross_entropy(x, w, t, b, reduction="sum"),
+                             (torch.randn(10, 16), torch.randn(37, 16), torch.randn(37), torch.randint(0, 37, (10,)))),
+    "fake_quantize": (lambda x: fl.fake_quantize(x, torch.rand(6) + 0.05, torch.randint(-3, 3, (6,)), -8, 7, 0),
+                      (torch.randn(6, 10) * 3,)),
+    "fake_quantize_lsq": (lambda x, s, z: fl.fake_quantize(x, s, z, -8, 7, 0, grad_factor=0.5),
+                          (torch.randn(6, 10) * 3, torch.rand(6) + 0.05, torch.randn(6))),
+    "fake_quantize_dynamic": (lambda x: fl.fake_quantize_dynamic(x, group_size=4, return_qparams=True),
+                              (torch.randn(5, 12),)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fast_path_equals_the_registered_op_bitwise(name):
+    fn, inputs = CASES[name]
+    inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in inputs)
+    fast, dispatched = _both_paths(fn, *inputs)
+    assert len(fast) == len(dispatched) > 1
+    for a, b in zip(fast, dispatched, strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_double_backward_through_the_fast_path():
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: fl.softmax(t, -1), (x,))
+    y = fl.softmax(x)
+    (g,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), x, create_graph=True)
+    assert _node(g) == "_EagerOpBackward"  # the backward op ran through the fast path, differentiably
+
+
+def test_fast_path_matches_torch():
+    x = torch.randn(8, 50, requires_grad=True)
+    t = torch.randint(0, 50, (8,))
+    fl.cross_entropy(x, t).backward()
+    expected = torch.autograd.grad(F.cross_entropy(x, t), x)[0]
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
