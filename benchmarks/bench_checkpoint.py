@@ -1,6 +1,6 @@
 """Benchmark activation checkpointing on a stack of GPT blocks (GPU).
 
-Trains steps (forward, backward, SGD update) of L=8 stock pre-LN GPT blocks (torch SDPA, causal, GELU MLP;
+Trains steps (forward, backward, SGD update) of L=8 stock pre-LN GPT blocks (causal attention, GELU MLP;
 bf16 parameters and activations; B=8, T=1024, d=1024, 16 heads) with:
 
 - none: no checkpointing;
@@ -16,9 +16,13 @@ Reports the step time (triton.testing.do_bench median; ratio to 'none'), the act
 held between forward and backward ((memory after forward - memory before) / L: what the formula counts)
 and the peak during the step ((peak - memory before) / L; it includes one block's recompute and the
 backward's temporaries), next to the formula s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022,
-attention probabilities materialised; SDPA's fused kernels never store them, so no run here reaches it).
+attention probabilities materialised).
 
-    python benchmarks/bench_checkpoint.py [--out DIR] [--dropout 0.0 0.1] [--batch 8 16]
+Two attention implementations (--attention): "sdpa", torch's fused SDPA, which never stores the probabilities, and
+"math", nanoGPT's written-out attention (softmax(q @ k^T * scale, causal) with dropout, @ v), which stores them as
+the formula assumes.
+
+    python benchmarks/bench_checkpoint.py [--out DIR] [--dropout 0.0 0.1] [--batch 8 16] [--attention sdpa math]
 """
 
 from __future__ import annotations
@@ -43,14 +47,15 @@ import fusedlayers as fl
 
 aten = torch.ops.aten
 L, B, T, D, HEADS = 8, 8, 1024, 1024, 16
+ATTENTION = "sdpa"  # or "math"; set per configuration by main()
 
 
 class GPTBlock(nn.Module):
-    """A stock pre-LN GPT block: x + drop(proj(SDPA(qkv(ln1 x)))), then x + drop(fc2(gelu(fc1(ln2 x))))."""
+    """A stock pre-LN GPT block: x + drop(proj(attention(qkv(ln1 x)))), then x + drop(fc2(gelu(fc1(ln2 x))))."""
 
     def __init__(self, d: int, heads: int, p: float) -> None:
         super().__init__()
-        self.heads, self.p = heads, p
+        self.heads, self.p, self.attention = heads, p, ATTENTION
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -59,7 +64,13 @@ class GPTBlock(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+        p = self.p if self.training else 0.0
+        if self.attention == "math":  # nanoGPT's non-flash path
+            scores = (q @ k.transpose(-2, -1)) * k.shape[-1] ** -0.5
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = F.dropout(F.softmax(scores.masked_fill(future, float("-inf")), dim=-1), p) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = y.transpose(1, 2).reshape(b, t, c)
         x = x + F.dropout(self.proj(y), self.p, self.training)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
@@ -184,7 +195,7 @@ def attention_op(p: float) -> str:
     block = GPTBlock(D, HEADS, p).cuda().to(torch.bfloat16)
     with Probe(), torch.no_grad():
         block(torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16))
-    return ", ".join(dict.fromkeys(seen))
+    return ", ".join(dict.fromkeys(seen)) or "none (q @ k^T, softmax, dropout, @ v)"
 
 
 def table(rows: list[dict], p: float) -> str:
@@ -192,7 +203,7 @@ def table(rows: list[dict], p: float) -> str:
     formula = sbh * (34 + 5 * HEADS * T / D)
     none = next(r for r in rows if r["name"] == "none")
     peers = {"fl full": "torch", "fl selective": "torch SAC", "fl wide-mm": "torch SAC"}
-    out = [f"### B={B}, dropout {p}\n",
+    out = [f"### {ATTENTION} attention, B={B}, dropout {p}\n",
            f"Formula s*b*h*(34 + 5*a*s/h) = {formula / 2**20:.0f} MiB per layer "
            f"(= {formula / sbh:.0f} sbh bytes); 2*s*b*h = {2 * sbh / 2**20:.0f} MiB; "
            f"attention op: {attention_op(p)}.\n",
@@ -235,11 +246,12 @@ def targets(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    global B
+    global B, ATTENTION
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="directory for <device>-checkpoint.md")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--batch", type=int, nargs="+", default=[B], help="batch sizes (the issue's is 8)")
+    parser.add_argument("--attention", nargs="+", choices=("sdpa", "math"), default=["sdpa", "math"])
     parser.add_argument("--no-check", action="store_true", help="skip the gradient comparison")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
@@ -254,8 +266,8 @@ def main() -> None:
              "the host's cost of launching a step; a variant whose host cost exceeds the GPU time of the real step "
              "is bound by the CPU.\n\n")
     print(text, flush=True)
-    for batch, p in itertools.product(args.batch, args.dropout):
-        B = batch  # the module-level batch size that build() and table() read
+    for attention, batch, p in itertools.product(args.attention, args.batch, args.dropout):
+        ATTENTION, B = attention, batch  # module-level settings that build() and table() read
         rows, failed = [], []
         for name in VARIANTS:
             try:

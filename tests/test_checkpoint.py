@@ -436,6 +436,35 @@ def test_policy_keeps_and_recomputes_what_it_says(policy):
     assert ran.get("aten::native_layer_norm") == 2 and ran.get("aten::gelu") == 1
 
 
+class MathAttentionBlock(nn.Module):
+    """Attention written out as matmuls: softmax(q @ k^T * scale) with dropout, then @ v, then a projection."""
+
+    def __init__(self, d: int = 8, heads: int = 2, p: float = 0.25) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        probs = F.dropout(torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1), self.p, self.training)
+        return x + self.proj((probs @ v).transpose(1, 2).reshape(B, T, C))
+
+
+def test_selective_recomputes_attention_scores():
+    """q @ k^T (T*T per head from two T*hd factors) is recomputed, probs @ v and the linears are kept."""
+    torch.manual_seed(0)
+    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)  # T=16 > 2 * head dim 4
+    want = train_step(block, block, x)
+    with ckpt._capture_frames() as frames:
+        got = train_step(lambda t: fl.checkpoint(block, t, policy="selective"), block, x)
+    kept = [e[0]._schema.name for e in frames[0].cache]
+    assert kept == ["aten::addmm", "aten::bmm"]  # qkv and probs @ v (proj's output is not needed: dropped)
+    assert frames[0].cache[1][1].shape == (2 * 2, 16, 4)
+    assert_equal_lists(got[1], want[1])  # bitwise, dropout on the recomputed probabilities included
+    assert torch.equal(got[2], want[2])
+
+
 def test_callable_policy():
     block, x = make_block()
     calls = []

@@ -45,9 +45,12 @@ Policies
 - ``"selective"``: keep the outputs of the expensive ops (matmuls, convolutions, attention and the
   ``torch.ops.fusedlayers`` attention / linear-cross-entropy ops) and recompute only the cheap ones
   (norms, activations, dropout, elementwise, copies), as selective activation recomputation in Megatron-LM
-  and torch's SAC do. A ``TorchDispatchMode`` records the outputs of the chosen ops during forward and
-  hands them back instead of running the ops again during the recompute. Outputs only needed by ops after
-  the last tensor autograd saved are dropped after forward (the recompute stops before them).
+  and torch's SAC do. One exception, Megatron-LM's: attention written out as matmuls (``softmax(q @ k^T) @
+  v``) has its scores recomputed, not kept: a batched matmul whose output is larger than its factors costs
+  little compute for the (s*s per head) memory it would hold. A ``TorchDispatchMode`` records the outputs
+  of the chosen ops during forward and hands them back instead of running the ops again during the
+  recompute. Outputs only needed by ops after the last tensor autograd saved are dropped after forward
+  (the recompute stops before them).
 - a callable ``policy(op, *args, **kwargs) -> bool``: True to keep that op's output. ``op`` is an
   ``torch._ops.OpOverload`` (e.g. ``torch.ops.aten.mm.default``), args are its (autograd-free) tensors
   and values. It is called in forward and again, with the same arguments, in the recompute, and must
@@ -126,6 +129,20 @@ def is_expensive_op(op) -> bool:
     if namespace == "fusedlayers":
         return name.startswith(EXPENSIVE_FUSEDLAYERS_PREFIXES) and "backward" not in name
     return False
+
+
+_BATCHED_MATMULS = frozenset({"aten::bmm", "aten::baddbmm"})
+
+
+def _attention_scores(op, args) -> bool:
+    """A batched matmul whose output is larger than its two factors: attention scores ``q @ k^T`` (s*s per
+    head from two s*d factors). Cheap to recompute for the memory they take; selective recomputes them (with
+    the softmax and dropout after them), as Megatron-LM's selective recomputation does. Linear layers run
+    ``mm`` / ``addmm`` and are always kept."""
+    if op._schema.name not in _BATCHED_MATMULS:
+        return False
+    a, b = args[-2], args[-1]  # bmm(a, b); baddbmm(input, a, b)
+    return a.shape[1] * b.shape[2] > a.shape[2] * (a.shape[1] + b.shape[2])
 
 
 @functools.cache
@@ -394,7 +411,7 @@ class _Frame:
 
     def keeps(self, op, args, kwargs) -> bool:
         if self.policy == "selective":
-            return _default_decision(op)
+            return _default_decision(op) and not _attention_scores(op, args)
         return _keepable(op) and bool(self.policy(op, *args, **kwargs))
 
     # --------------------------------------------------------------- forward
