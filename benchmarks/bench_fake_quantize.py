@@ -39,6 +39,8 @@ from triton.testing import do_bench
 
 import fusedlayers as fl
 from fusedlayers.kernels import fake_quantize as kernels
+from fusedlayers.ops import fake_quantize as fq_ops
+from fusedlayers.ops._eager import call
 
 N = 8192
 TOKENS, WIDTH = 16384, 4096
@@ -130,38 +132,42 @@ def bench(copy_bw_of) -> list[dict]:
     stock = lambda x: torch.fake_quantize_per_channel_affine(x, scale, zp, 0, QMIN, QMAX)  # noqa: E731
     fused = lambda x: fl.fake_quantize(x, scale, zp, QMIN, QMAX, 0)  # noqa: E731
     fused_op = lambda x: torch.ops.fusedlayers.fake_quantize(x, scale, zp, QMIN, QMAX, 0, 0, 1.0)[0]  # noqa: E731
+    fused_fast = lambda x: call(fq_ops.fake_quantize, x, scale, zp, QMIN, QMAX, 0, 0, 1.0)[0]  # noqa: E731
     compiled = torch.compile(stock, **COMPILE)
     case = "per-channel int8 fwd"
     with torch.no_grad():
         for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (fl.fake_quantize)", fused),
-                        ("fused (op, no arg checks)", fused_op)):
+                        ("fused (no arg checks)", fused_fast), ("fused (dispatcher op)", fused_op)):
             add(case, impl, lambda f=f: f(w), fwd_bytes)
     # --- forward + backward (STE)
     wr = w.clone().requires_grad_()
     case = "per-channel int8 fwd+bwd"
-    for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (op, no arg checks)", fused_op)):
+    for impl, f in (("torch eager", stock), ("torch.compile", compiled), ("fused (fl.fake_quantize)", fused),
+                    ("fused (no arg checks)", fused_fast), ("fused (dispatcher op)", fused_op)):
         add(case, impl, grad_of(f, wr, g), ste_bytes)
     if not DRY_RUN:
-        for impl, f in (("torch eager, GPU kernel time", stock), ("fused (op), GPU kernel time", fused_op)):
+        for impl, f in (("torch eager, GPU kernel time", stock), ("fused, GPU kernel time", fused_fast)):
             add(case, impl, grad_of(f, wr, g), ste_bytes, timer=kernel_ms)
     # --- learnable (LSQ), forward + backward
     gf = 1.0 / math.sqrt(N * QMAX)
     s_l = scale.clone().requires_grad_()
     z_l = zp.float().requires_grad_()
     stock_l = lambda x, s, z: torch._fake_quantize_learnable_per_channel_affine(x, s, z, 0, QMIN, QMAX, gf)  # noqa: E731
-    fused_l = lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
+    fused_l = lambda x, s, z: call(fq_ops.fake_quantize, x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
+    fused_l_op = lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
     compiled_l = torch.compile(stock_l, **COMPILE)
     case = "learnable per-channel int8 fwd+bwd"
-    for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (op)", fused_l)):
+    for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (no arg checks)", fused_l),
+                    ("fused (dispatcher op)", fused_l_op)):
         add(case, impl, grad_of(f, wr, g, s_l, z_l), lsq_bytes)
     if not DRY_RUN:
-        for impl, f in (("torch eager, GPU kernel time", stock_l), ("fused (op), GPU kernel time", fused_l)):
+        for impl, f in (("torch eager, GPU kernel time", stock_l), ("fused, GPU kernel time", fused_l)):
             add(case, impl, grad_of(f, wr, g, s_l, z_l), lsq_bytes, timer=kernel_ms)
     # --- dynamic symmetric per channel (FakeQuantLinear's weight path), forward + backward
     case = "dynamic per-channel int8 fwd+bwd"
-    fused_d = lambda x: torch.ops.fusedlayers.fake_quantize_dynamic(x, QMIN, QMAX, N, True)[0]  # noqa: E731
+    fused_d = lambda x: call(fq_ops.fake_quantize_dynamic, x, QMIN, QMAX, N, True)[0]  # noqa: E731
     compiled_d = torch.compile(torch_dynamic_per_channel, **COMPILE)
-    for impl, f in (("torch eager", torch_dynamic_per_channel), ("torch.compile", compiled_d), ("fused (op)", fused_d)):
+    for impl, f in (("torch eager", torch_dynamic_per_channel), ("torch.compile", compiled_d), ("fused", fused_d)):
         add(case, impl, grad_of(f, wr, g), ste_bytes)
     del wr, s_l, z_l, g
     # --- dynamic per-token int8 activations, forward + backward
@@ -170,9 +176,9 @@ def bench(copy_bw_of) -> list[dict]:
     copy_bw_x = copy_bw_of(x.detach())
     case = f"per-token int8 activations {TOKENS}x{WIDTH} fwd+bwd"
     compiled_t = torch.compile(_TorchaoPerToken.apply, **COMPILE)
-    fused_t = lambda t: torch.ops.fusedlayers.fake_quantize_dynamic(t, QMIN, QMAX, WIDTH, False)[0]  # noqa: E731
+    fused_t = lambda t: call(fq_ops.fake_quantize_dynamic, t, QMIN, QMAX, WIDTH, False)[0]  # noqa: E731
     for impl, f in (("torchao formula eager", _TorchaoPerToken.apply), ("torchao formula torch.compile", compiled_t),
-                    ("fused (op)", fused_t)):
+                    ("fused", fused_t)):
         fn = grad_of(f, x, gx)
         fn()
         sync()
@@ -226,12 +232,17 @@ def host_overhead() -> str:
             lambda: kernels.fake_quantize_forward(w.detach(), s_, z_, QMIN, QMAX, layout, 0),
     }
     cases |= {
-        "fused: op forward, no grad": lambda: op(w.detach(), s_, z_, QMIN, QMAX, 0, 0, 1.0),
-        "fused: op forward, recording autograd": lambda: op(w, s_, z_, QMIN, QMAX, 0, 0, 1.0),
-        "fused: straight-through fwd+bwd": grad_of(lambda x: op(x, s_, z_, QMIN, QMAX, 0, 0, 1.0)[0], w, g),
+        "fused: forward, no grad": lambda: call(fq_ops.fake_quantize, w.detach(), s_, z_, QMIN, QMAX, 0, 0, 1.0),
+        "fused: op forward, no grad (dispatcher)": lambda: op(w.detach(), s_, z_, QMIN, QMAX, 0, 0, 1.0),
+        "fused: op forward, recording autograd (dispatcher)": lambda: op(w, s_, z_, QMIN, QMAX, 0, 0, 1.0),
+        "fused: straight-through fwd+bwd": grad_of(
+            lambda x: call(fq_ops.fake_quantize, x, s_, z_, QMIN, QMAX, 0, 0, 1.0)[0], w, g),
+        "fused: straight-through fwd+bwd (dispatcher)": grad_of(
+            lambda x: op(x, s_, z_, QMIN, QMAX, 0, 0, 1.0)[0], w, g),
         "torch: per-channel fwd+bwd": grad_of(
             lambda x: torch.fake_quantize_per_channel_affine(x, s_, zp_i, 0, QMIN, QMAX), w, g),
-        "fused: learnable fwd+bwd": grad_of(lambda x, s, z: op(x, s, z, QMIN, QMAX, 0, 0, 0.01)[0], w, g, scale, zp),
+        "fused: learnable fwd+bwd": grad_of(
+            lambda x, s, z: call(fq_ops.fake_quantize, x, s, z, QMIN, QMAX, 0, 0, 0.01)[0], w, g, scale, zp),
         "torch: learnable fwd+bwd": grad_of(
             lambda x, s, z: torch._fake_quantize_learnable_per_channel_affine(x, s, z, 0, QMIN, QMAX, 0.01), w, g,
             scale, zp),
@@ -296,8 +307,10 @@ def main() -> None:
         "mask bit; 16.25 B/element forward+backward with the straight-through gradient, 20.125 with LSQ's) / that "
         "row's time, 'of copy' the same as a fraction of the copy; 'fused speed-up' = "
         "row time / fastest fused time. 'fl.fake_quantize' includes its argument checks (a host sync on the "
-        "qparams, as torch's own per-channel op does); '(op)' calls torch.ops.fusedlayers directly (what "
-        "FakeQuantLinear does); ', GPU kernel time' rows are the same forward+backward timed as the sum of its "
+        "qparams, as torch's own per-channel op does); '(no arg checks)' is the same call after the checks "
+        "(the op's body under its autograd, what FakeQuantLinear does); '(dispatcher op)' calls "
+        "torch.ops.fusedlayers directly (what torch.compile sees); ', GPU kernel time' rows are the same "
+        "forward+backward timed as the sum of its "
         "kernels' durations (torch.profiler, 20 calls): GPU time without the waits for the host between kernels. "
         f"Tile: {kernels.TILE_ELEMENTS} elements per program.\n\n"
     )
