@@ -61,7 +61,7 @@ def _both_paths(fn, *inputs):
                       for t in inputs]
             out = fn(*leaves)
             outs = out if isinstance(out, tuple) else (out,)
-            loss = sum((o.float() * torch.linspace(-1, 2, o.numel()).reshape(o.shape)).sum()
+            loss = sum((o.float() * torch.linspace(-1, 2, o.numel(), device=o.device).reshape(o.shape)).sum()
                        for o in outs if o.is_floating_point())
             loss.backward()
             results.append([*outs, *(t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad)])
@@ -89,10 +89,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", CASES)
-def test_fast_path_equals_the_registered_op_bitwise(name):
+def test_fast_path_equals_the_registered_op_bitwise(name, device):
     fn, inputs = CASES[name]
-    inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in inputs)
+    inputs = tuple(t.to(device).requires_grad_() if t.is_floating_point() else t.to(device) for t in inputs)
     fast, dispatched = _both_paths(fn, *inputs)
     assert len(fast) == len(dispatched) > 1
     for a, b in zip(fast, dispatched, strict=True):
