@@ -138,7 +138,7 @@ def tune(copy_bw: float) -> None:
             continue
         if n_cols <= 65536:
             for warps in (16, 32):
-                kernels._one_pass_config = lambda n, backward=False, w=warps: (1, triton.next_power_of_2(n), w)
+                kernels._one_pass_config = lambda n, w=warps: (1, triton.next_power_of_2(n), w)
                 measure(f"one-pass w={warps}", False)
             kernels._one_pass_config = original
         for config in TUNE_LOOP_CONFIGS:

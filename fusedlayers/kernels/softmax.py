@@ -231,16 +231,16 @@ def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig
     return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
-def _one_pass_config(n_cols: int, backward: bool = False) -> tuple[int, int, int]:
+def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels: rows of ~2K-32K elements per program.
 
-    Measured on an H200 (benchmarks/results/h200-softmax.md): from 16K elements the forward wants 32 warps, the
-    backward (two tensors in, one out) 16: 1-7% faster in the sweep at 16K-32K columns.
+    Measured on an H200 (benchmarks/results/h200-softmax.md): 32 warps from 16K elements. (16 warps measured ~1%
+    faster for the backward alone at 16K-32K columns in the sweep; not adopted until benchmarked end to end.)
     """
     block_n = next_power_of_2(max(n_cols, 1))
     block_m = max(1, min(16, 2048 // block_n))
     elements = block_m * block_n
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if backward else 32
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 32
     return block_m, block_n, num_warps
 
 
@@ -313,7 +313,7 @@ def softmax_backward(
         grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
         _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
-        block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
+        block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_bwd_kernel[(cdiv(n_rows, block_m),)](
             *args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
