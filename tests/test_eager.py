@@ -116,3 +116,11 @@ def test_fast_path_matches_torch():
     fl.cross_entropy(x, t).backward()
     expected = torch.autograd.grad(F.cross_entropy(x, t), x)[0]
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_op_without_autograd_keeps_the_dispatchers_error():
+    """Double backward through attention (its backward op has no autograd) fails loudly on both paths."""
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(fl.scaled_dot_product_attention(q, q, q).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        g.sum().backward()

@@ -55,7 +55,9 @@ def call(op, *args):
     """``op(*args)`` (all arguments positional), skipping the dispatcher where nothing can tell."""
     if torch.compiler.is_compiling() or not enabled or _needs_dispatcher(args):
         return op(*args)
-    if op in _AUTOGRAD and torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        if op not in _AUTOGRAD:  # e.g. a backward op under double backward: the dispatcher's error, not no grad
+            return op(*args)
         return _EagerOp.apply(*args, op)
     return _BODIES[op](*args)
 
