@@ -106,45 +106,37 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
-TUNE_LOOP_CONFIGS = [kernels.LoopConfig(*c) for c in [
-    (8192, 16, 0, 1), (8192, 16, 0, 3), (16384, 16, 0, 3), (16384, 32, 0, 1), (16384, 32, 2, 1), (16384, 16, 2, 3),
-]]
+# (kernel, SPLIT_BLOCK_N, warps) tried per row length by --tune; warps None keeps the shipped choice.
+TUNE_CONFIGS = {
+    16384: [("one_pass", None, 16), ("one_pass", None, 32)] * 3,
+    32768: [("one_pass", None, 16), ("one_pass", None, 32), ("split", 8192, 8), ("split", 8192, 16),
+            ("split", 16384, 16), ("split", 16384, 32), ("looped", None, None)],
+    65536: [("split", 8192, 8), ("split", 8192, 16), ("split", 16384, 16), ("split", 16384, 32),
+            ("split", 32768, 32), ("looped", None, None)],
+    131072: [("split", 16384, 16), ("split", 16384, 32), ("looped", None, None)],
+}
 
 
 def tune(copy_bw: float) -> None:
-    """Sweep kernel configs per row length; prints the fraction of copy bandwidth, forward and backward."""
-    original = kernels._one_pass_config
-    defaults = kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD
-    for n_cols in (65536, 131072):
+    """Sweep kernel configs per row length; prints the fraction of copy bandwidth of the kernels alone."""
+    shipped = kernels._one_pass_config, kernels.SPLIT_BLOCK_N
+    for n_cols, configs in TUNE_CONFIGS.items():
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-
-        def measure(label, looped):
-            try:
-                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, looped=looped))
-                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, looped=looped))
-            except Exception as e:  # e.g. out of shared memory
-                print(f"tune cols={n_cols} {label}: {type(e).__name__}")
-                return
-            print(f"tune cols={n_cols} {label}: fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f}")
-
-        if n_cols <= 16384:  # is the autograd path (Python dispatch) slower than its two kernels?
-            xr = x.detach().requires_grad_()
-            f = median_ms(lambda: kernels.softmax_forward(x, x.dtype))
-            b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype))
-            a = median_ms(forward_backward(lambda t: fl.softmax(t, -1), xr, g))
-            print(f"tune cols={n_cols} kernels fwd {f:.3f} + bwd {b:.3f} = {f + b:.3f} ms; autograd fwd+bwd {a:.3f} ms")
-            continue
-        if n_cols <= 65536:
-            for warps in (16, 32):
+        for kernel, block_n, warps in configs:
+            kernels.SPLIT_BLOCK_N = block_n or shipped[1]
+            if warps:
                 kernels._one_pass_config = lambda n, w=warps: (1, triton.next_power_of_2(n), w)
-                measure(f"one-pass w={warps}", False)
-            kernels._one_pass_config = original
-        for config in TUNE_LOOP_CONFIGS:
-            kernels.LOOP_FORWARD = kernels.LOOP_BACKWARD = config
-            measure(f"looped {config}", True)
-        kernels.LOOP_FORWARD, kernels.LOOP_BACKWARD = defaults
+            try:
+                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=kernel))
+                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=kernel))
+                fb = 5 * TENSOR_BYTES / ((f + b) * 1e-3) / copy_bw
+                result = f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f} fwd+bwd {fb:.3f}"
+            except Exception as e:  # e.g. out of shared memory
+                result = type(e).__name__
+            kernels._one_pass_config, kernels.SPLIT_BLOCK_N = shipped
+            print(f"tune cols={n_cols} {kernel} block={block_n} warps={warps}: {result}", flush=True)
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

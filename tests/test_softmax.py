@@ -54,28 +54,45 @@ def test_softmax_triton_kernel(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_softmax_triton_long_rows(dtype):
-    """Rows past MAX_ONE_PASS_COLS run the looped (online) kernels, forward and backward."""
+    """Rows past MAX_ONE_PASS_COLS run the split kernels (5 blocks here), forward and backward."""
     x = torch.randn(3, 65536 + 123, dtype=dtype) * 4
+    assert kernels.kernel_for(x.shape[-1]) == "split"
     with fl.use_backend("triton"):
         _check_softmax(x, -1)
 
 
+def test_kernel_for_row_lengths():
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS) == "one_pass"
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1) == "split"
+    assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT) == "split"
+    assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT + 1) == "looped"
+
+
 def small_blocks(monkeypatch, block_n: int) -> None:
-    """Looped kernels with tiny steps, so small rows take several loop trips; persistent grids too."""
+    """Split and looped kernels with tiny blocks, so small rows take several blocks or loop trips; persistent
+    grids too."""
+    monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", block_n)
     monkeypatch.setattr(kernels, "LOOP_FORWARD", kernels.LOOP_FORWARD._replace(block_n=block_n, programs_per_sm=0))
     monkeypatch.setattr(kernels, "LOOP_BACKWARD", kernels.LOOP_BACKWARD._replace(block_n=block_n, programs_per_sm=1))
 
 
-@pytest.mark.parametrize("looped", [False, True])
-def test_softmax_kernels_direct(monkeypatch, looped):
-    """Both kernel shapes on odd sizes, several loop trips for the looped one (small blocks)."""
+def long_rows(monkeypatch, kernel: str, block_n: int) -> None:
+    """Make rows over ``block_n`` columns run ``kernel`` ("split" or "looped") in blocks of ``block_n``."""
+    small_blocks(monkeypatch, block_n)
+    monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", block_n)
+    monkeypatch.setattr(kernels, "MAX_SPLIT", 10**6 if kernel == "split" else 0)
+
+
+@pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
+def test_softmax_kernels_direct(monkeypatch, kernel):
+    """Every kernel shape on odd sizes; several blocks or loop trips for split and looped (small blocks)."""
     small_blocks(monkeypatch, 16)
     for n in (1, 5, 16, 47, 100):
         x = torch.randn(7, n) * 5
-        y = kernels.softmax_forward(x, torch.float32, looped=looped)
+        y = kernels.softmax_forward(x, torch.float32, kernel=kernel)
         torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
         g = torch.randn(7, n)
-        dx = kernels.softmax_backward(g, y, 0.5, torch.float32, looped=looped)
+        dx = kernels.softmax_backward(g, y, 0.5, torch.float32, kernel=kernel)
         torch.testing.assert_close(dx, 0.5 * y * (g - (g * y).sum(-1, keepdim=True)), atol=1e-6, rtol=1e-5)
 
 
@@ -208,22 +225,22 @@ def test_scaled_masked_softmax(backend, dtype, case):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_scaled_masked_softmax_long_rows_looped(backend, monkeypatch):
-    monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 64)
-    small_blocks(monkeypatch, 32)
-    scores = torch.randn(2, 2, 70, 150)
-    mask = _keep_diagonal(torch.rand(70, 150) > 0.5)
+@pytest.mark.parametrize("kernel", ["split", "looped"])
+def test_scaled_masked_softmax_long_rows(backend, kernel, monkeypatch):
+    """Masks and causal over several blocks: causal rows whose later blocks are all masked included."""
+    long_rows(monkeypatch, kernel, 32)
+    scores = torch.randn(2, 2, 40, 100)  # 4 blocks per row
+    mask = _keep_diagonal(torch.rand(40, 100) > 0.5)
     with fl.use_backend(backend):
         _check_masked(scores, 0.5, mask, True)
-        _check_masked(scores, 0.5, torch.randn(2, 1, 70, 150), False)
+        _check_masked(scores, 0.5, torch.randn(2, 1, 40, 100), False)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("looped", [False, True])
-def test_fully_masked_rows_give_zeros(backend, looped, monkeypatch):
-    if looped:
-        monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", 8)
-        small_blocks(monkeypatch, 8)
+@pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
+def test_fully_masked_rows_give_zeros(backend, kernel, monkeypatch):
+    if kernel != "one_pass":
+        long_rows(monkeypatch, kernel, 32)
     scores = torch.randn(2, 6, 20, requires_grad=True)
     mask = torch.rand(6, 20) > 0.5
     mask[1] = False  # row 1 masks every key
@@ -417,6 +434,28 @@ def test_cuda_scaled_masked_softmax(dtype, case):
         _check_masked(scores, 0.125, mask, is_causal)
         if mask_shape is not None:
             _check_masked(scores, 0.125, torch.randn(mask_shape, dtype=dtype, device="cuda"), is_causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["split", "looped"])
+def test_cuda_long_row_kernels(kernel, monkeypatch):
+    """Each long-row kernel forced: split with many blocks per row and thousands of programs (the
+    cooperative barrier under load), looped on rows the split kernel would take."""
+    if kernel == "split":
+        monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", 256)
+    for n_rows, n_cols in ((4096, 256 * 31 + 5), (3, 100003)):
+        x = torch.randn(n_rows, n_cols, device="cuda") * 4
+        y = kernels.softmax_forward(x, x.dtype, kernel=kernel)
+        torch.testing.assert_close(y, torch.softmax(x.double(), -1).float(), atol=1e-6, rtol=1e-4)
+        g = torch.randn_like(x)
+        dx = kernels.softmax_backward(g, y, 0.5, x.dtype, kernel=kernel)
+        expect = 0.5 * y.double() * (g.double() - (g.double() * y.double()).sum(-1, keepdim=True))
+        torch.testing.assert_close(dx, expect.float(), atol=1e-6, rtol=1e-4)
+    scores = torch.randn(2, 3, 300, 20000, device="cuda")
+    y = kernels.softmax_forward(scores, scores.dtype, 0.5, None, True, True, kernel=kernel)
+    keep = torch.ones(300, 20000, dtype=torch.bool, device="cuda").tril()
+    torch.testing.assert_close(y, torch.softmax((scores.double() * 0.5).masked_fill(~keep, float("-inf")), -1).float(),
+                               atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.cuda

@@ -5,10 +5,19 @@ accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
   once and written once (2 tensors moved forward, 3 backward).
-- looped: for rows too long for registers. The forward keeps a running max and sum per lane
-  (online softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward
-  sums grad * out in a first sweep and writes the gradient in a second. One program owns one row,
-  so the second sweep re-reads what the first just brought into L2.
+- split: for rows longer than one program's registers hold well (over 16K elements). SPLIT
+  cooperating programs each hold one block of the row in registers, publish their block's
+  statistics (max and sum of exp forward, sum of grad * out backward) to a small fp32 buffer, wait
+  at a per-row barrier for the others', and write their block: each element is still read once and
+  written once. On the GPU the SPLIT programs of a row must run at the same time: programs take
+  their block from a ticket counter (an atomic), so a program only ever waits for blocks already
+  taken by running programs, and SPLIT is capped far below the resident programs of one GPU. The
+  interpreter runs programs one after another, so there the same kernel runs in two launches
+  (statistics, then output) instead of waiting.
+- looped: for rows too long even for that. The forward keeps a running max and sum (online
+  softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward sums
+  grad * out in a first sweep and writes the gradient in a second. One program owns one row, so
+  the second sweep re-reads what the first just brought into L2.
 
 The scaled-masked variant computes softmax(x * scale + mask) where the mask is bool (True = keep) or
 additive float, broadcast to the scores through its strides (stride 0 where it broadcasts), and/or
@@ -27,8 +36,11 @@ import triton.language as tl
 
 from fusedlayers.kernels import cdiv, next_power_of_2
 
-# Rows up to this many columns run the one-pass kernels; longer rows run the looped ones.
-MAX_ONE_PASS_COLS = 32768
+# Rows up to this many columns run the one-pass kernels; longer rows run the split ones, in at most
+# MAX_SPLIT blocks of SPLIT_BLOCK_N columns; rows longer than that run the looped ones.
+MAX_ONE_PASS_COLS = 16384
+SPLIT_BLOCK_N = 16384
+MAX_SPLIT = 32
 
 
 class LoopConfig(NamedTuple):
@@ -216,6 +228,107 @@ def _softmax_bwd_looped_row(
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside, eviction_policy=DROP)
 
 
+# ----------------------------------------------------------------------------- split rows
+# PHASE 0: one cooperative launch (GPU). PHASE 1: statistics only; PHASE 2: output only, from the
+# statistics of a finished PHASE 1 launch (the interpreter, which cannot run programs concurrently).
+
+
+@triton.jit
+def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """(row, index of the block in the row) this program owns: by ticket when cooperative, so that
+    every block a program waits for is held by a program already running."""
+    if PHASE == 0:
+        block = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed")
+    else:
+        block = tl.program_id(0)
+    return block // SPLIT, block % SPLIT
+
+
+@triton.jit
+def _row_barrier(counter_ptr, SPLIT: tl.constexpr):
+    """Wait until the SPLIT programs of a row have all arrived; every store made before by any of them
+    is then visible (the pattern of CUTLASS's semaphore: barrier, release; acquire, barrier)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < SPLIT:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _softmax_fwd_split_kernel(
+    x_ptr, y_ptr, mask_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, ZERO_EMPTY_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
+    rows = row + tl.arange(0, 1)
+    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
+    NO_HINT: tl.constexpr = ""
+    z, inside = _scores_tile(
+        x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, NO_HINT,
+    )
+    # This block's max m and sum of exp(z - m) (0 while the block is all -inf), at stats[row, part, 0:2].
+    stats = stats_ptr + (rows.to(tl.int64) * SPLIT + part) * 2
+    if PHASE != 2:
+        m = tl.max(z, axis=1)
+        s = tl.sum(tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
+        tl.store(stats, m)
+        tl.store(stats + 1, s)
+    if PHASE == 0:
+        _row_barrier(sync_ptr + row, SPLIT)
+    if PHASE != 1:
+        parts = tl.arange(0, SPLIT_P2)
+        row_stats = stats_ptr + (row.to(tl.int64) * SPLIT + parts) * 2
+        ms = tl.load(row_stats, mask=parts < SPLIT, other=float("-inf"), cache_modifier=".cg")
+        ss = tl.load(row_stats + 1, mask=parts < SPLIT, other=0.0, cache_modifier=".cg")
+        row_max = tl.max(ms, axis=0)
+        row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+        denom = tl.sum(ss * tl.exp(ms - row_max_safe), axis=0)
+        if ZERO_EMPTY_ROWS:
+            row_max = row_max_safe
+            denom = tl.where(denom == 0.0, 1.0, denom)
+        y = tl.exp(z - row_max) / denom
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _softmax_bwd_split_kernel(
+    g_ptr, y_ptr, dx_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
+    r = row.to(tl.int64)
+    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = cols < n_cols
+    y = tl.load(y_ptr + r * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * stride_gr + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
+    if PHASE != 2:
+        tl.store(stats_ptr + r * SPLIT + part, tl.sum(g * y, axis=0))  # this block's part of sum(g * y)
+    if PHASE == 0:
+        _row_barrier(sync_ptr + row, SPLIT)
+    if PHASE != 1:
+        parts = tl.arange(0, SPLIT_P2)
+        dot = tl.sum(tl.load(stats_ptr + r * SPLIT + parts, mask=parts < SPLIT, other=0.0, cache_modifier=".cg"))
+        dx = scale * y * (g - dot)
+        tl.store(dx_ptr + r * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+def _split_launch(kernel, x: torch.Tensor, n_rows: int, n_cols: int, stats_per_block: int, args: tuple, **meta):
+    """Launch a split kernel over ``x``'s rows: cooperatively on the GPU, in two phases elsewhere."""
+    block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
+    split = cdiv(n_cols, block_n)
+    stats = torch.empty(n_rows * split * stats_per_block, dtype=torch.float32, device=x.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=x.device)  # arrivals per row, then the ticket
+    num_warps = _one_pass_config(block_n)[2]
+    grid = (n_rows * split,)
+    blocks = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=num_warps)
+    for phase in (0,) if x.is_cuda else (1, 2):
+        kernel[grid](*args[:3], stats, sync, *args[3:], **meta, **blocks, PHASE=phase)
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -258,14 +371,21 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
     return m4, (m4.shape[1], *m4.stride())
 
 
+def kernel_for(n_cols: int) -> str:
+    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" or "looped"."""
+    if n_cols <= MAX_ONE_PASS_COLS:
+        return "one_pass"
+    return "split" if cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
+
+
 def softmax_forward(
     x: torch.Tensor, out_dtype: torch.dtype, scale: float = 1.0, mask: torch.Tensor | None = None,
-    is_causal: bool = False, zero_empty_rows: bool = False, looped: bool | None = None,
+    is_causal: bool = False, zero_empty_rows: bool = False, kernel: str | None = None,
 ) -> torch.Tensor:
     """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
 
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
-    floating. ``looped`` forces the long-row kernel (None: chosen from the row length).
+    floating. ``kernel`` forces a kernel shape (None: ``kernel_for`` the row length).
     """
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -280,9 +400,10 @@ def softmax_forward(
         IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,
     )
     args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
-    if looped is None:
-        looped = n_cols > MAX_ONE_PASS_COLS
-    if looped:
+    kernel = kernel or kernel_for(n_cols)
+    if kernel == "split":
+        _split_launch(_softmax_fwd_split_kernel, x, n_rows, n_cols, 2, args, **common)
+    elif kernel == "looped":
         grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
@@ -294,7 +415,7 @@ def softmax_forward(
 
 
 def softmax_backward(
-    grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, looped: bool | None = None
+    grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, kernel: str | None = None
 ) -> torch.Tensor:
     """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``."""
     n_cols = out.shape[-1]
@@ -307,9 +428,10 @@ def softmax_backward(
     g2 = grad.reshape(-1, n_cols)
     n_rows = out2.shape[0]
     args = (g2, out2, dx, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale))
-    if looped is None:
-        looped = n_cols > MAX_ONE_PASS_COLS
-    if looped:
+    kernel = kernel or kernel_for(n_cols)
+    if kernel == "split":
+        _split_launch(_softmax_bwd_split_kernel, out, n_rows, n_cols, 1, args)
+    elif kernel == "looped":
         grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
         _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
