@@ -41,6 +41,7 @@ from fusedlayers.kernels import cdiv, next_power_of_2
 MAX_ONE_PASS_COLS = 16384
 SPLIT_BLOCK_N = 16384
 MAX_SPLIT = 32
+SPLIT_TICKETS = True
 
 
 class LoopConfig(NamedTuple):
@@ -234,10 +235,10 @@ def _softmax_bwd_looped_row(
 
 
 @triton.jit
-def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr, TICKETS: tl.constexpr):
     """(row, index of the block in the row) this program owns: by ticket when cooperative, so that
     every block a program waits for is held by a program already running."""
-    if PHASE == 0:
+    if PHASE == 0 and TICKETS:
         block = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed")
     else:
         block = tl.program_id(0)
@@ -247,11 +248,13 @@ def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr):
 @triton.jit
 def _row_barrier(counter_ptr, SPLIT: tl.constexpr):
     """Wait until the SPLIT programs of a row have all arrived; every store made before by any of them
-    is then visible (the pattern of CUTLASS's semaphore: barrier, release; acquire, barrier)."""
+    is then visible (the pattern of CUTLASS's semaphore: barrier, release; acquire, barrier). The wait
+    polls with plain (volatile) loads, not atomics, so waiting programs do not queue at L2's atomic units."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    arrived = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
     while arrived < SPLIT:
-        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        arrived = tl.load(counter_ptr, volatile=True)
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -260,9 +263,9 @@ def _softmax_fwd_split_kernel(
     x_ptr, y_ptr, mask_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, ZERO_EMPTY_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr, TICKETS: tl.constexpr,
 ):
-    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE, TICKETS)
     rows = row + tl.arange(0, 1)
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     NO_HINT: tl.constexpr = ""
@@ -270,13 +273,14 @@ def _softmax_fwd_split_kernel(
         x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
         mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, NO_HINT,
     )
-    # This block's max m and sum of exp(z - m) (0 while the block is all -inf), at stats[row, part, 0:2].
-    stats = stats_ptr + (rows.to(tl.int64) * SPLIT + part) * 2
+    # This block's max m and e = exp(z - m) (0 while the block is all -inf); m and sum(e) go to
+    # stats[row, part, 0:2]. The output is e rescaled to the row's max and sum: one exp per element.
+    m = tl.max(z, axis=1)
+    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
     if PHASE != 2:
-        m = tl.max(z, axis=1)
-        s = tl.sum(tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
+        stats = stats_ptr + (rows.to(tl.int64) * SPLIT + part) * 2
         tl.store(stats, m)
-        tl.store(stats + 1, s)
+        tl.store(stats + 1, tl.sum(e, axis=1))
     if PHASE == 0:
         _row_barrier(sync_ptr + row, SPLIT)
     if PHASE != 1:
@@ -290,16 +294,16 @@ def _softmax_fwd_split_kernel(
         if ZERO_EMPTY_ROWS:
             row_max = row_max_safe
             denom = tl.where(denom == 0.0, 1.0, denom)
-        y = tl.exp(z - row_max) / denom
+        y = e * (tl.exp(m - row_max) / denom)[:, None]  # NaN for a row of -inf unless ZERO_EMPTY_ROWS, as torch
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _softmax_bwd_split_kernel(
     g_ptr, y_ptr, dx_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr, TICKETS: tl.constexpr,
 ):
-    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE, TICKETS)
     r = row.to(tl.int64)
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = cols < n_cols
@@ -324,7 +328,8 @@ def _split_launch(kernel, x: torch.Tensor, n_rows: int, n_cols: int, stats_per_b
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=x.device)  # arrivals per row, then the ticket
     num_warps = _one_pass_config(block_n)[2]
     grid = (n_rows * split,)
-    blocks = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=num_warps)
+    blocks = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=num_warps,
+                  TICKETS=SPLIT_TICKETS)
     for phase in (0,) if x.is_cuda else (1, 2):
         kernel[grid](*args[:3], stats, sync, *args[3:], **meta, **blocks, PHASE=phase)
 
