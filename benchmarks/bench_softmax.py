@@ -106,51 +106,43 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
-# Configs tried per row length by --tune: (kernel, SPLIT_BLOCK_N, rows per program, warps, tickets); None keeps
-# the shipped choice.
+# Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, rows per program, warps); None keeps the
+# shipped choice. The forward runs the shipped kernel except with warps set ("one_pass" rows).
 TUNE_CONFIGS = {
-    1024: [("one_pass", None, 2, 4, None), ("one_pass", None, 4, 4, None), ("one_pass", None, 1, 4, None),
-           ("one_pass", None, 4, 8, None)],
-    4096: [("one_pass", None, 1, 8, None), ("one_pass", None, 1, 4, None), ("one_pass", None, 2, 8, None),
-           ("one_pass", None, 1, 16, None)],
-    32768: [("one_pass", None, 1, 32, None), ("split", 4096, 1, 4, True), ("split", 8192, 1, 4, True),
-            ("split", 8192, 1, 8, True), ("looped", None, None, None, None)],
-    65536: [("split", 2048, 1, 4, True), ("split", 4096, 1, 4, True), ("split", 4096, 1, 8, True),
-            ("split", 8192, 1, 4, True), ("split", 8192, 1, 8, True), ("split", 16384, 1, 16, True),
-            ("split", 4096, 1, 4, False), ("split", 8192, 1, 8, False), ("looped", None, None, None, None)],
-    131072: [("split", 4096, 1, 4, True), ("split", 8192, 1, 8, True), ("looped", None, None, None, None)],
+    16384: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32)] * 2,
+    32768: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32), ("split", 8192, None, 8),
+            ("looped", None, None, None)],
+    65536: [("split", 8192, None, 4), ("split", 8192, None, 8), ("split", 16384, None, 16),
+            ("looped", None, None, None)],
+    131072: [("split", 8192, None, 8), ("looped", None, None, None)],
 }
 
 
 def tune(copy_bw: float) -> None:
-    """Sweep kernel configs per row length; prints the fraction of copy bandwidth of the kernels alone, and for
-    short rows whether the autograd call (ours, Liger's) is slower than its two kernels (host-bound)."""
-    shipped = kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_TICKETS
+    """Sweep kernel configs per row length; prints the fraction of copy bandwidth of the kernels alone."""
+    shipped = kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS
     for n_cols, configs in TUNE_CONFIGS.items():
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-        for kernel, block_n, block_m, warps, tickets in configs:
+        for kernel, block_n, block_m, warps in configs:
             kernels.SPLIT_BLOCK_N = block_n or shipped[1]
-            kernels.SPLIT_TICKETS = shipped[2] if tickets is None else tickets
-            if warps:
-                kernels._one_pass_config = lambda n, m=block_m, w=warps: (m, triton.next_power_of_2(n), w)
+            if kernel == "split":
+                kernels.SPLIT_WARPS = warps
+            elif warps:
+                kernels._one_pass_config = lambda n, backward=False, m=block_m, w=warps: (
+                    m, triton.next_power_of_2(n), w)
+            forward = "one_pass" if kernel == "one_pass" else "looped"
             try:
-                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=kernel))
+                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=forward))
                 b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=kernel))
                 fb = 5 * TENSOR_BYTES / ((f + b) * 1e-3) / copy_bw
                 result = f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f} fwd+bwd {fb:.3f}"
             except Exception as e:  # e.g. out of shared memory
                 result = type(e).__name__
-            kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_TICKETS = shipped
-            print(f"tune cols={n_cols} {kernel} block={block_n} rows={block_m} warps={warps} tickets={tickets}: "
+            kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS = shipped
+            print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} rows={block_m} warps={warps}: "
                   f"{result}", flush=True)
-        if n_cols <= 4096:
-            xr = x.detach().requires_grad_()
-            for name, f in softmax_peers().items():
-                if name in ("fused", "liger"):
-                    ms = median_ms(forward_backward(f, xr, g))
-                    print(f"tune cols={n_cols} {name} autograd fwd+bwd {fraction(5, ms, copy_bw):.3f}", flush=True)
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

@@ -5,16 +5,16 @@ accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
   once and written once (2 tensors moved forward, 3 backward).
-- split: for rows longer than one program's registers hold well (over 16K elements). SPLIT
-  cooperating programs each hold one block of the row in registers, publish their block's
-  statistics (max and sum of exp forward, sum of grad * out backward) to a small fp32 buffer, wait
-  at a per-row barrier for the others', and write their block: each element is still read once and
-  written once. On the GPU the SPLIT programs of a row must run at the same time: programs take
+- split (backward): for rows past one program's registers (over 32K elements). SPLIT cooperating
+  programs each hold one block of the row, publish their block's part of sum(grad * out) to a small
+  fp32 buffer, wait at a per-row barrier for the others', and write their block: each element is
+  still read once. On the GPU the SPLIT programs of a row must run at the same time: programs take
   their block from a ticket counter (an atomic), so a program only ever waits for blocks already
   taken by running programs, and SPLIT is capped far below the resident programs of one GPU. The
   interpreter runs programs one after another, so there the same kernel runs in two launches
-  (statistics, then output) instead of waiting.
-- looped: for rows too long even for that. The forward keeps a running max and sum (online
+  (partial sums, then output) instead of waiting. (A split forward measured slower than the looped
+  one at every length on an H100: see benchmarks/results/h100-softmax.md.)
+- looped: for rows too long for either. The forward keeps a running max and sum (online
   softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward sums
   grad * out in a first sweep and writes the gradient in a second. One program owns one row, so
   the second sweep re-reads what the first just brought into L2.
@@ -36,12 +36,13 @@ import triton.language as tl
 
 from fusedlayers.kernels import cdiv, next_power_of_2
 
-# Rows up to this many columns run the one-pass kernels; longer rows run the split ones, in at most
-# MAX_SPLIT blocks of SPLIT_BLOCK_N columns; rows longer than that run the looped ones.
-MAX_ONE_PASS_COLS = 16384
-SPLIT_BLOCK_N = 16384
+# Rows up to this many columns run the one-pass kernels. Longer rows: the forward runs the looped kernel;
+# the backward runs the split kernel, in at most MAX_SPLIT blocks of SPLIT_BLOCK_N columns, and the
+# looped one beyond. Measured on an H100, bf16 (benchmarks/results/h100-softmax.md, tuning notes).
+MAX_ONE_PASS_COLS = 32768
+SPLIT_BLOCK_N = 8192
+SPLIT_WARPS = 8
 MAX_SPLIT = 32
-SPLIT_TICKETS = True
 
 
 class LoopConfig(NamedTuple):
@@ -229,16 +230,16 @@ def _softmax_bwd_looped_row(
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside, eviction_policy=DROP)
 
 
-# ----------------------------------------------------------------------------- split rows
-# PHASE 0: one cooperative launch (GPU). PHASE 1: statistics only; PHASE 2: output only, from the
-# statistics of a finished PHASE 1 launch (the interpreter, which cannot run programs concurrently).
+# ----------------------------------------------------------------------------- split rows (backward)
+# PHASE 0: one cooperative launch (GPU). PHASE 1: partial sums only; PHASE 2: output only, from the
+# sums of a finished PHASE 1 launch (the interpreter, which cannot run programs concurrently).
 
 
 @triton.jit
-def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr, TICKETS: tl.constexpr):
+def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr):
     """(row, index of the block in the row) this program owns: by ticket when cooperative, so that
     every block a program waits for is held by a program already running."""
-    if PHASE == 0 and TICKETS:
+    if PHASE == 0:
         block = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed")
     else:
         block = tl.program_id(0)
@@ -249,61 +250,21 @@ def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr, TIC
 def _row_barrier(counter_ptr, SPLIT: tl.constexpr):
     """Wait until the SPLIT programs of a row have all arrived; every store made before by any of them
     is then visible (the pattern of CUTLASS's semaphore: barrier, release; acquire, barrier). The wait
-    polls with plain (volatile) loads, not atomics, so waiting programs do not queue at L2's atomic units."""
+    polls with a one-thread atomic: polling with volatile loads (issued by every thread) measured 5-10%
+    slower."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
     while arrived < SPLIT:
-        arrived = tl.load(counter_ptr, volatile=True)
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _softmax_fwd_split_kernel(
-    x_ptr, y_ptr, mask_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_xr, stride_xc,
-    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, ZERO_EMPTY_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr, TICKETS: tl.constexpr,
-):
-    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE, TICKETS)
-    rows = row + tl.arange(0, 1)
-    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
-    NO_HINT: tl.constexpr = ""
-    z, inside = _scores_tile(
-        x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
-        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, NO_HINT,
-    )
-    # This block's max m and e = exp(z - m) (0 while the block is all -inf); m and sum(e) go to
-    # stats[row, part, 0:2]. The output is e rescaled to the row's max and sum: one exp per element.
-    m = tl.max(z, axis=1)
-    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    if PHASE != 2:
-        stats = stats_ptr + (rows.to(tl.int64) * SPLIT + part) * 2
-        tl.store(stats, m)
-        tl.store(stats + 1, tl.sum(e, axis=1))
-    if PHASE == 0:
-        _row_barrier(sync_ptr + row, SPLIT)
-    if PHASE != 1:
-        parts = tl.arange(0, SPLIT_P2)
-        row_stats = stats_ptr + (row.to(tl.int64) * SPLIT + parts) * 2
-        ms = tl.load(row_stats, mask=parts < SPLIT, other=float("-inf"), cache_modifier=".cg")
-        ss = tl.load(row_stats + 1, mask=parts < SPLIT, other=0.0, cache_modifier=".cg")
-        row_max = tl.max(ms, axis=0)
-        row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-        denom = tl.sum(ss * tl.exp(ms - row_max_safe), axis=0)
-        if ZERO_EMPTY_ROWS:
-            row_max = row_max_safe
-            denom = tl.where(denom == 0.0, 1.0, denom)
-        y = e * (tl.exp(m - row_max) / denom)[:, None]  # NaN for a row of -inf unless ZERO_EMPTY_ROWS, as torch
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _softmax_bwd_split_kernel(
     g_ptr, y_ptr, dx_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr, TICKETS: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE, TICKETS)
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
     r = row.to(tl.int64)
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = cols < n_cols
@@ -320,18 +281,19 @@ def _softmax_bwd_split_kernel(
         tl.store(dx_ptr + r * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
-def _split_launch(kernel, x: torch.Tensor, n_rows: int, n_cols: int, stats_per_block: int, args: tuple, **meta):
-    """Launch a split kernel over ``x``'s rows: cooperatively on the GPU, in two phases elsewhere."""
+def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
+    """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
+    n_rows, n_cols = out2.shape
     block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
     split = cdiv(n_cols, block_n)
-    stats = torch.empty(n_rows * split * stats_per_block, dtype=torch.float32, device=x.device)
-    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=x.device)  # arrivals per row, then the ticket
-    num_warps = _one_pass_config(block_n)[2]
-    grid = (n_rows * split,)
-    blocks = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=num_warps,
-                  TICKETS=SPLIT_TICKETS)
-    for phase in (0,) if x.is_cuda else (1, 2):
-        kernel[grid](*args[:3], stats, sync, *args[3:], **meta, **blocks, PHASE=phase)
+    partial_sums = torch.empty(n_rows * split, dtype=torch.float32, device=out2.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=out2.device)  # arrivals per row, then the ticket
+    meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
+    for phase in (0,) if out2.is_cuda else (1, 2):
+        _softmax_bwd_split_kernel[(n_rows * split,)](
+            g2, out2, dx, partial_sums, sync, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale),
+            **meta, PHASE=phase,
+        )
 
 
 @functools.cache
@@ -349,16 +311,17 @@ def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig
     return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
-def _one_pass_config(n_cols: int) -> tuple[int, int, int]:
+def _one_pass_config(n_cols: int, backward: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels: rows of ~2K-32K elements per program.
 
-    Measured on an H200 (benchmarks/results/h200-softmax.md): 32 warps from 16K elements. (16 warps measured ~1%
-    faster for the backward alone at 16K-32K columns in the sweep; not adopted until benchmarked end to end.)
+    Measured on an H200 and an H100 (benchmarks/results/h200-softmax.md, h100-softmax.md): from 16K elements the
+    forward wants 32 warps, the backward 16 (equal at 16K columns; at 32K 0.99 vs 0.97 of copy on the H100, 1.01 vs
+    0.94 on the H200).
     """
     block_n = next_power_of_2(max(n_cols, 1))
     block_m = max(1, min(16, 2048 // block_n))
     elements = block_m * block_n
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 32
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if backward else 32
     return block_m, block_n, num_warps
 
 
@@ -376,11 +339,11 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
     return m4, (m4.shape[1], *m4.stride())
 
 
-def kernel_for(n_cols: int) -> str:
-    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" or "looped"."""
+def kernel_for(n_cols: int, backward: bool) -> str:
+    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" (backward only) or "looped"."""
     if n_cols <= MAX_ONE_PASS_COLS:
         return "one_pass"
-    return "split" if cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
+    return "split" if backward and cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
 
 
 def softmax_forward(
@@ -390,7 +353,7 @@ def softmax_forward(
     """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
 
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
-    floating. ``kernel`` forces a kernel shape (None: ``kernel_for`` the row length).
+    floating. ``kernel`` forces a kernel shape, "one_pass" or "looped" (None: ``kernel_for`` the row length).
     """
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -405,10 +368,10 @@ def softmax_forward(
         IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,
     )
     args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
-    kernel = kernel or kernel_for(n_cols)
-    if kernel == "split":
-        _split_launch(_softmax_fwd_split_kernel, x, n_rows, n_cols, 2, args, **common)
-    elif kernel == "looped":
+    kernel = kernel or kernel_for(n_cols, backward=False)
+    if kernel not in ("one_pass", "looped"):
+        raise ValueError(f"kernel must be 'one_pass' or 'looped' for the forward, got {kernel!r}")
+    if kernel == "looped":
         grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
@@ -422,7 +385,8 @@ def softmax_forward(
 def softmax_backward(
     grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, kernel: str | None = None
 ) -> torch.Tensor:
-    """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``."""
+    """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``. ``kernel``
+    forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row length)."""
     n_cols = out.shape[-1]
     dx = torch.empty(out.shape, dtype=grad_dtype, device=out.device)
     if dx.numel() == 0:
@@ -433,14 +397,16 @@ def softmax_backward(
     g2 = grad.reshape(-1, n_cols)
     n_rows = out2.shape[0]
     args = (g2, out2, dx, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale))
-    kernel = kernel or kernel_for(n_cols)
+    kernel = kernel or kernel_for(n_cols, backward=True)
+    if kernel not in ("one_pass", "split", "looped"):
+        raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
     if kernel == "split":
-        _split_launch(_softmax_bwd_split_kernel, out, n_rows, n_cols, 1, args)
+        _split_launch(g2, out2, dx, scale)
     elif kernel == "looped":
         grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
         _softmax_bwd_looped_kernel[grid](*args, **launch)
     else:
-        block_m, block_n, num_warps = _one_pass_config(n_cols)
+        block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
         _softmax_bwd_kernel[(cdiv(n_rows, block_m),)](
             *args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
