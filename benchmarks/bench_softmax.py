@@ -106,15 +106,15 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
-# Configs tried per row length by --tune: (forward kernel, backward kernel, SPLIT_BLOCK_N, warps); None keeps the
-# shipped choice; warps apply to the split kernels, or to the one-pass ones when neither is split.
+# Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, rows per program, warps); None keeps the
+# shipped choice. The forward runs the shipped kernel except with warps set ("one_pass" rows).
 TUNE_CONFIGS = {
-    16384: [("one_pass", "one_pass", None, 16), ("one_pass", "one_pass", None, 32)],
-    32768: [("one_pass", "one_pass", None, 16), ("one_pass", "one_pass", None, 32), ("split", "split", 8192, 8),
-            ("looped", "looped", None, None)],
-    65536: [("looped", "split", 8192, 8), ("split", "split", 8192, 4), ("split", "split", 16384, 16),
-            ("looped", "looped", None, None)],
-    131072: [("split", "split", 8192, 8), ("looped", "looped", None, None)],
+    16384: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32)] * 2,
+    32768: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32), ("split", 8192, None, 8),
+            ("looped", None, None, None)],
+    65536: [("split", 8192, None, 4), ("split", 8192, None, 8), ("split", 16384, None, 16),
+            ("looped", None, None, None)],
+    131072: [("split", 8192, None, 8), ("looped", None, None, None)],
 }
 
 
@@ -125,21 +125,23 @@ def tune(copy_bw: float) -> None:
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-        for forward, backward, block_n, warps in configs:
+        for kernel, block_n, block_m, warps in configs:
             kernels.SPLIT_BLOCK_N = block_n or shipped[1]
-            if "split" in (forward, backward):
+            if kernel == "split":
                 kernels.SPLIT_WARPS = warps
             elif warps:
-                kernels._one_pass_config = lambda n, backward=False, w=warps: (1, triton.next_power_of_2(n), w)
+                kernels._one_pass_config = lambda n, backward=False, m=block_m, w=warps: (
+                    m, triton.next_power_of_2(n), w)
+            forward = "one_pass" if kernel == "one_pass" else "looped"
             try:
                 f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=forward))
-                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=backward))
+                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=kernel))
                 fb = 5 * TENSOR_BYTES / ((f + b) * 1e-3) / copy_bw
                 result = f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f} fwd+bwd {fb:.3f}"
             except Exception as e:  # e.g. out of shared memory
                 result = type(e).__name__
             kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS = shipped
-            print(f"tune cols={n_cols} fwd {forward}, bwd {backward}, split block {block_n}, warps {warps}: "
+            print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} rows={block_m} warps={warps}: "
                   f"{result}", flush=True)
 
 

@@ -84,16 +84,16 @@ def long_rows(monkeypatch, kernel: str, block_n: int) -> None:
     small_blocks(monkeypatch, block_n)
     monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", block_n)
     monkeypatch.setattr(kernels, "MAX_SPLIT", 10**6 if kernel == "split" else 0)
-    monkeypatch.setattr(kernels, "SPLIT_FORWARD", kernel == "split")
 
 
 @pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
 def test_softmax_kernels_direct(monkeypatch, kernel):
-    """Every kernel shape on odd sizes; several blocks or loop trips for split and looped (small blocks)."""
+    """Every kernel shape on odd sizes; several blocks or loop trips for split and looped (small blocks).
+    The split kernel is the backward's only."""
     small_blocks(monkeypatch, 16)
     for n in (1, 5, 16, 47, 100):
         x = torch.randn(7, n) * 5
-        y = kernels.softmax_forward(x, torch.float32, kernel=kernel)
+        y = kernels.softmax_forward(x, torch.float32, kernel="one_pass" if kernel == "split" else kernel)
         torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
         g = torch.randn(7, n)
         dx = kernels.softmax_backward(g, y, 0.5, torch.float32, kernel=kernel)
@@ -443,19 +443,19 @@ def test_cuda_scaled_masked_softmax(dtype, case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["split", "looped"])
 def test_cuda_long_row_kernels(kernel, monkeypatch):
-    """Each long-row kernel forced: split with up to 32 blocks per row and thousands of programs (the cooperative
-    barrier under load), looped on rows the split kernel would take."""
+    """Each long-row backward forced, after the looped forward: split with up to 32 blocks per row and thousands of
+    programs (the cooperative barrier under load), looped on rows the split kernel would take."""
     monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", 256)
     for n_rows, n_cols in ((4096, 256 * 31 + 5), (3, 8100)):
         x = torch.randn(n_rows, n_cols, device="cuda") * 4
-        y = kernels.softmax_forward(x, x.dtype, kernel=kernel)
+        y = kernels.softmax_forward(x, x.dtype, kernel="looped")
         torch.testing.assert_close(y, torch.softmax(x.double(), -1).float(), atol=1e-6, rtol=1e-4)
         g = torch.randn_like(x)
         dx = kernels.softmax_backward(g, y, 0.5, x.dtype, kernel=kernel)
         expect = 0.5 * y.double() * (g.double() - (g.double() * y.double()).sum(-1, keepdim=True))
         torch.testing.assert_close(dx, expect.float(), atol=1e-6, rtol=1e-4)
     scores = torch.randn(2, 3, 300, 20000, device="cuda")
-    y = kernels.softmax_forward(scores, scores.dtype, 0.5, None, True, True, kernel=kernel)
+    y = kernels.softmax_forward(scores, scores.dtype, 0.5, None, True, True, kernel="looped")
     keep = torch.ones(300, 20000, dtype=torch.bool, device="cuda").tril()
     torch.testing.assert_close(y, torch.softmax((scores.double() * 0.5).masked_fill(~keep, float("-inf")), -1).float(),
                                atol=1e-6, rtol=1e-4)

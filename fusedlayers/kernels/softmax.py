@@ -43,7 +43,6 @@ MAX_ONE_PASS_COLS = 32768
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
 MAX_SPLIT = 32
-SPLIT_FORWARD = False  # the forward's long rows run the looped kernel
 
 
 class LoopConfig(NamedTuple):
@@ -261,46 +260,6 @@ def _row_barrier(counter_ptr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _softmax_fwd_split_kernel(
-    x_ptr, y_ptr, mask_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_xr, stride_xc,
-    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, ZERO_EMPTY_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
-    rows = row + tl.arange(0, 1)
-    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
-    NO_HINT: tl.constexpr = ""
-    z, inside = _scores_tile(
-        x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
-        mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, NO_HINT,
-    )
-    # This block's max m and e = exp(z - m) (0 while the block is all -inf); m and sum(e) go to
-    # stats[row, part, 0:2]. The output is e rescaled to the row's max and sum: one exp per element.
-    m = tl.max(z, axis=1)
-    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    if PHASE != 2:
-        stats = stats_ptr + (rows.to(tl.int64) * SPLIT + part) * 2
-        tl.store(stats, m)
-        tl.store(stats + 1, tl.sum(e, axis=1))
-    if PHASE == 0:
-        _row_barrier(sync_ptr + row, SPLIT)
-    if PHASE != 1:
-        parts = tl.arange(0, SPLIT_P2)
-        row_stats = stats_ptr + (row.to(tl.int64) * SPLIT + parts) * 2
-        ms = tl.load(row_stats, mask=parts < SPLIT, other=float("-inf"), cache_modifier=".cg")
-        ss = tl.load(row_stats + 1, mask=parts < SPLIT, other=0.0, cache_modifier=".cg")
-        row_max = tl.max(ms, axis=0)
-        row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-        denom = tl.sum(ss * tl.exp(ms - row_max_safe), axis=0)
-        if ZERO_EMPTY_ROWS:
-            row_max = row_max_safe
-            denom = tl.where(denom == 0.0, 1.0, denom)
-        y = e * (tl.exp(m - row_max) / denom)[:, None]  # NaN for a row of -inf unless ZERO_EMPTY_ROWS, as torch
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
 def _softmax_bwd_split_kernel(
     g_ptr, y_ptr, dx_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -322,17 +281,19 @@ def _softmax_bwd_split_kernel(
         tl.store(dx_ptr + r * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
-def _split_launch(kernel, tensors: tuple, n_rows: int, n_cols: int, stats_per_block: int, args: tuple, **meta):
-    """Launch a split kernel over (rows, cols): ``kernel(*tensors, stats, sync, *args)``, cooperatively on the GPU,
-    in two phases elsewhere."""
-    device = tensors[0].device
+def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
+    """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
+    n_rows, n_cols = out2.shape
     block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
     split = cdiv(n_cols, block_n)
-    stats = torch.empty(n_rows * split * stats_per_block, dtype=torch.float32, device=device)
-    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=device)  # arrivals per row, then the ticket
-    meta.update(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
-    for phase in (0,) if device.type == "cuda" else (1, 2):
-        kernel[(n_rows * split,)](*tensors, stats, sync, *args, **meta, PHASE=phase)
+    partial_sums = torch.empty(n_rows * split, dtype=torch.float32, device=out2.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=out2.device)  # arrivals per row, then the ticket
+    meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
+    for phase in (0,) if out2.is_cuda else (1, 2):
+        _softmax_bwd_split_kernel[(n_rows * split,)](
+            g2, out2, dx, partial_sums, sync, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale),
+            **meta, PHASE=phase,
+        )
 
 
 @functools.cache
@@ -379,12 +340,10 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
 
 
 def kernel_for(n_cols: int, backward: bool) -> str:
-    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" or "looped"."""
+    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" (backward only) or "looped"."""
     if n_cols <= MAX_ONE_PASS_COLS:
         return "one_pass"
-    if (backward or SPLIT_FORWARD) and cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT:
-        return "split"
-    return "looped"
+    return "split" if backward and cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
 
 
 def softmax_forward(
@@ -394,8 +353,7 @@ def softmax_forward(
     """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
 
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
-    floating. ``kernel`` forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row
-    length).
+    floating. ``kernel`` forces a kernel shape, "one_pass" or "looped" (None: ``kernel_for`` the row length).
     """
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -411,11 +369,9 @@ def softmax_forward(
     )
     args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
     kernel = kernel or kernel_for(n_cols, backward=False)
-    if kernel not in ("one_pass", "split", "looped"):
-        raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
-    if kernel == "split":
-        _split_launch(_softmax_fwd_split_kernel, (x2, y, mask_arg), n_rows, n_cols, 2, args[3:], **common)
-    elif kernel == "looped":
+    if kernel not in ("one_pass", "looped"):
+        raise ValueError(f"kernel must be 'one_pass' or 'looped' for the forward, got {kernel!r}")
+    if kernel == "looped":
         grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
@@ -445,7 +401,7 @@ def softmax_backward(
     if kernel not in ("one_pass", "split", "looped"):
         raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
     if kernel == "split":
-        _split_launch(_softmax_bwd_split_kernel, (g2, out2, dx), n_rows, n_cols, 1, args[3:])
+        _split_launch(g2, out2, dx, scale)
     elif kernel == "looped":
         grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
         _softmax_bwd_looped_kernel[grid](*args, **launch)
