@@ -13,7 +13,7 @@ accumulates in fp32. Two shapes of kernel:
   taken by running programs, and SPLIT is capped far below the resident programs of one GPU. The
   interpreter runs programs one after another, so there the same kernel runs in two launches
   (partial sums, then output) instead of waiting. (A split forward measured slower than the looped
-  one at every length on an H100: see benchmarks/results/h100-softmax.md.)
+  one at every length on an H100 and an H200: benchmarks/results/h100-softmax.md, h200-softmax.md.)
 - looped: for rows too long for either. The forward keeps a running max and sum (online
   softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward sums
   grad * out in a first sweep and writes the gradient in a second. One program owns one row, so
