@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fusedlayers import _validate as v
 from fusedlayers.ops import checkpoint as _checkpoint_ops
@@ -340,6 +341,43 @@ def _fake_quant_qparam(name: str, value, input: Tensor, shape: tuple[int, ...] |
     return torch.tensor([v.check_int(name, value)], dtype=torch.int32, device=input.device)
 
 
+# qparam tensors whose values passed the checks, with their version then: reading device values costs a host sync, so
+# the same tensors (QAT's buffers, a parameter between optimizer steps) are read once per change, not once per call.
+_checked_qparams = WeakIdKeyDictionary()
+
+
+def _check_qparam_values(scale, zero_point, quant_min: int, quant_max: int) -> None:
+    """scale positive and finite, an integer zero_point inside [quant_min, quant_max], for the arguments as given
+    (numbers are checked on the host, tensors on their device: one host sync on GPU at most)."""
+    checks = {}
+    if not isinstance(scale, Tensor):
+        checks["scale"] = 0 < scale < float("inf")
+    elif not _checked_before(scale, "scale"):
+        checks["scale"] = ((scale > 0) & torch.isfinite(scale)).all()
+    if not isinstance(zero_point, Tensor):
+        checks["zero_point"] = quant_min <= zero_point <= quant_max
+    elif not zero_point.is_floating_point() and not _checked_before(zero_point, (quant_min, quant_max)):
+        checks["zero_point"] = ((zero_point >= quant_min) & (zero_point <= quant_max)).all()
+    on_device = [name for name, ok in checks.items() if isinstance(ok, Tensor)]
+    if on_device:
+        checks.update(zip(on_device, torch.stack([checks[n] for n in on_device]).tolist(), strict=True))
+    if not checks.get("scale", True):
+        raise ValueError("scale must be positive and finite")
+    if not checks.get("zero_point", True):
+        raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
+    for t, what in ((scale, "scale"), (zero_point, (quant_min, quant_max))):
+        if isinstance(t, Tensor) and _cacheable(t):
+            _checked_qparams[t] = (t._version, what)
+
+
+def _cacheable(t: Tensor) -> bool:
+    return type(t) in (Tensor, torch.nn.Parameter) and not t.is_inference()
+
+
+def _checked_before(t: Tensor, what) -> bool:
+    return _cacheable(t) and _checked_qparams.get(t) == (t._version, what)
+
+
 def fake_quantize(input: Tensor, scale, zero_point, quant_min: int, quant_max: int, axis: int | None = None, *,
                   group_size: int | None = None, grad_factor: float = 1.0) -> Tensor:
     """Affine fake quantization: ``(clamp(round(input * (1 / scale)) + zero_point, quant_min, quant_max)
@@ -388,18 +426,11 @@ def fake_quantize(input: Tensor, scale, zero_point, quant_min: int, quant_max: i
         shape = (input.shape[axis],)
     else:
         shape = None
+    scale_arg, zero_point_arg = scale, zero_point
     scale = _fake_quant_qparam("scale", scale, input, shape, floating=True)
     zero_point = _fake_quant_qparam("zero_point", zero_point, input, shape, floating=False)
-    if not torch.compiler.is_compiling():  # value checks: one host sync on GPU (torch's own checks make two)
-        scale_ok = ((scale > 0) & torch.isfinite(scale)).all()
-        zero_point_ok = scale_ok
-        if not zero_point.is_floating_point():
-            zero_point_ok = ((zero_point >= quant_min) & (zero_point <= quant_max)).all()
-        scale_ok, zero_point_ok = torch.stack([scale_ok, zero_point_ok]).tolist()
-        if not scale_ok:
-            raise ValueError("scale must be positive and finite")
-        if not zero_point_ok:
-            raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
+    if not torch.compiler.is_compiling():
+        _check_qparam_values(scale_arg, zero_point_arg, quant_min, quant_max)
     y, _ = call(_fake_quantize_ops.fake_quantize, input, scale, zero_point, quant_min, quant_max, axis,
                 group_size or 0, grad_factor)
     return y

@@ -558,6 +558,29 @@ def test_errors_name_the_argument(call, error, words):
         call(x)
 
 
+def test_qparam_values_checked_once_per_version():
+    """Tensor qparams are read once per version (a host sync on GPU): a change in place is still caught, and a
+    zero point checked for one range is checked again for another."""
+    from fusedlayers import functional
+
+    x = torch.randn(4, 6)
+    scale, zp = torch.rand(6) + 0.1, torch.zeros(6, dtype=torch.int32)
+    fl.fake_quantize(x, scale, zp, -8, 7, 1)
+    assert functional._checked_before(scale, "scale") and functional._checked_before(zp, (-8, 7))
+    fl.fake_quantize(x, scale, zp, -8, 7, 1)  # no new check needed
+    with torch.no_grad():
+        scale[2] = -1.0  # as an optimizer step would, in place
+    with pytest.raises(ValueError, match="scale"):
+        fl.fake_quantize(x, scale, zp, -8, 7, 1)
+    scale.abs_()
+    zp[0] = -3
+    fl.fake_quantize(x, scale, zp, -8, 7, 1)
+    with pytest.raises(ValueError, match="zero_point"):
+        fl.fake_quantize(x, scale, zp, 0, 7, 1)
+    with pytest.raises(ValueError, match="scale"):
+        fl.fake_quantize(x, float("nan"), 0, -8, 7)
+
+
 # ----------------------------------------------------------------------------- cuda
 
 
