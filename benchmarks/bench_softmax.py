@@ -106,49 +106,43 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
-def _loop(**changes):
-    return {"LOOP_FORWARD": kernels.LOOP_FORWARD._replace(**changes)}
-
-
-# Variants tried per row length by --tune: (label, forward kernel, backward kernel or None, module settings).
-TUNE_VARIANTS = {
-    1024: [("shipped", "one_pass", None, {}), ("streaming stores", "one_pass", None, {"ONE_PASS_STORE_CACHE": ".cs"})],
-    16384: [("shipped", "one_pass", None, {}), ("streaming stores", "one_pass", None, {"ONE_PASS_STORE_CACHE": ".cs"}),
-            ("16 warps, streaming stores", "one_pass", None,
-             {"ONE_PASS_STORE_CACHE": ".cs", "_one_pass_config": lambda n, backward=False: (1, n, 16)})],
-    65536: [("shipped", "looped", "split", {}), ("prefetch", "looped", None, _loop(prefetch=True)),
-            ("prefetch, 8192 cols", "looped", None, _loop(prefetch=True, block_n=8192)),
-            ("prefetch, 8192 cols, 8 warps", "looped", None, _loop(prefetch=True, block_n=8192, warps=8)),
-            ("prefetch, 32 warps", "looped", None, _loop(prefetch=True, warps=32))],
+# Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, rows per program, warps); None keeps the
+# shipped choice. The forward runs the shipped kernel except with warps set ("one_pass" rows).
+TUNE_CONFIGS = {
+    16384: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32)] * 2,
+    32768: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32), ("split", 8192, None, 8),
+            ("looped", None, None, None)],
+    65536: [("split", 8192, None, 4), ("split", 8192, None, 8), ("split", 16384, None, 16),
+            ("looped", None, None, None)],
+    131072: [("split", 8192, None, 8), ("looped", None, None, None)],
 }
 
 
 def tune(copy_bw: float) -> None:
-    """Sweep kernel variants per row length (twice, interleaved), with the peers' forward in the same run; prints
-    the fraction of copy bandwidth of the kernels alone."""
-    for n_cols, variants in TUNE_VARIANTS.items():
+    """Sweep kernel configs per row length; prints the fraction of copy bandwidth of the kernels alone."""
+    shipped = kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS
+    for n_cols, configs in TUNE_CONFIGS.items():
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-        for _ in range(2):
-            for name, f in softmax_peers().items():
-                if name in ("liger", "compile"):
-                    print(f"tune cols={n_cols} {name} fwd {fraction(2, median_ms(lambda f=f: f(x)), copy_bw):.3f}")
-            for label, forward, backward, settings in variants:
-                shipped = {k: getattr(kernels, k) for k in settings}
-                for k, value in settings.items():
-                    setattr(kernels, k, value)
-                try:
-                    f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=forward))
-                    result = f"fwd {fraction(2, f, copy_bw):.3f}"
-                    if backward:
-                        b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=backward))
-                        result += f" bwd {fraction(3, b, copy_bw):.3f}"
-                except Exception as e:  # e.g. out of shared memory
-                    result = type(e).__name__
-                for k, value in shipped.items():
-                    setattr(kernels, k, value)
-                print(f"tune cols={n_cols} {label}: {result}", flush=True)
+        for kernel, block_n, block_m, warps in configs:
+            kernels.SPLIT_BLOCK_N = block_n or shipped[1]
+            if kernel == "split":
+                kernels.SPLIT_WARPS = warps
+            elif warps:
+                kernels._one_pass_config = lambda n, backward=False, m=block_m, w=warps: (
+                    m, triton.next_power_of_2(n), w)
+            forward = "one_pass" if kernel == "one_pass" else "looped"
+            try:
+                f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=forward))
+                b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=kernel))
+                fb = 5 * TENSOR_BYTES / ((f + b) * 1e-3) / copy_bw
+                result = f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f} fwd+bwd {fb:.3f}"
+            except Exception as e:  # e.g. out of shared memory
+                result = type(e).__name__
+            kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS = shipped
+            print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} rows={block_m} warps={warps}: "
+                  f"{result}", flush=True)
 
 
 def table(rows: list[dict], copy_bw: float) -> str:

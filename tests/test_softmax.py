@@ -86,20 +86,6 @@ def long_rows(monkeypatch, kernel: str, block_n: int) -> None:
     monkeypatch.setattr(kernels, "MAX_SPLIT", 10**6 if kernel == "split" else 0)
 
 
-def test_looped_forward_prefetch_is_bitwise_equal(monkeypatch):
-    """Loading the next block early changes when bytes arrive, not what is computed."""
-    small_blocks(monkeypatch, 16)
-    x = torch.randn(2, 3, 5, 77) * 5
-    mask = torch.rand(5, 77) > 0.3
-    outs = []
-    for prefetch in (False, True):
-        monkeypatch.setattr(kernels, "LOOP_FORWARD", kernels.LOOP_FORWARD._replace(prefetch=prefetch))
-        outs.append([kernels.softmax_forward(x, torch.float32, kernel="looped"),
-                     kernels.softmax_forward(x, torch.float32, 0.5, mask.expand(x.shape), True, True, kernel="looped")])
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
 def test_softmax_kernels_direct(monkeypatch, kernel):
     """Every kernel shape on odd sizes; several blocks or loop trips for split and looped (small blocks).

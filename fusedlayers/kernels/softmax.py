@@ -43,7 +43,6 @@ MAX_ONE_PASS_COLS = 32768
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
 MAX_SPLIT = 32
-ONE_PASS_STORE_CACHE = ""  # the one-pass forward's store cache modifier ("" default, ".cs" streaming)
 
 
 class LoopConfig(NamedTuple):
@@ -54,7 +53,6 @@ class LoopConfig(NamedTuple):
     programs_per_sm: int  # > 0: a persistent grid of this many programs per SM; 0: one program per row
     stages: int  # software-pipelining depth of the sweeps (loads issued ahead of their use)
     l2_hints: bool = False  # sweep 1 loads evict_last, sweep 2 loads and the stores evict_first (keep x in L2)
-    prefetch: bool = False  # forward: sweep 1 loads the next block before reducing this one (two blocks in registers)
 
 
 # Measured on an H200, bf16 rows of 65536 columns (benchmarks/results/h200-softmax.md, tuning notes): with the L2
@@ -98,7 +96,7 @@ def _softmax_fwd_kernel(
     x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_CACHE: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -115,8 +113,7 @@ def _softmax_fwd_kernel(
     if ZERO_EMPTY_ROWS:
         denom = tl.where(denom == 0.0, 1.0, denom)
     y = e / denom[:, None]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside,
-             cache_modifier=STORE_CACHE)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -125,7 +122,6 @@ def _softmax_fwd_looped_kernel(
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # Persistent: a few programs per SM walk the rows, so the rows in flight fit in L2 and sweep 2
     # re-reads from L2 what sweep 1 brought in (HBM traffic stays near 2 tensors, not 3).
@@ -133,17 +129,8 @@ def _softmax_fwd_looped_kernel(
         _softmax_fwd_looped_row(
             x_ptr, y_ptr, mask_ptr, row, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
-            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N, STAGES, L2_HINTS, PREFETCH,
+            HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, ZERO_EMPTY_ROWS, BLOCK_N, STAGES, L2_HINTS,
         )
-
-
-@triton.jit
-def _online_update(m, s, z):
-    """Running max m and sum s of exp(z - m) after one more (1, BLOCK_N) block z: one block max per step."""
-    m_new = tl.maximum(m, tl.max(z, axis=1))
-    # While everything seen is -inf, s stays 0 (avoids exp(-inf - -inf) = NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
 
 
 @triton.jit
@@ -152,33 +139,24 @@ def _softmax_fwd_looped_row(
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     rows = row + tl.arange(0, 1)
     KEEP: tl.constexpr = "evict_last" if L2_HINTS else ""
     DROP: tl.constexpr = "evict_first" if L2_HINTS else ""
-    # Sweep 1: running max m and sum s of exp(z - m).
+    # Sweep 1: running max m and sum s of exp(z - m), one block max per step (one exp per element).
     m = tl.full((1,), float("-inf"), tl.float32)
     s = tl.zeros((1,), tl.float32)
-    if PREFETCH:  # the next block's loads are in flight while this block is reduced
-        z_next, _ = _scores_tile(
-            x_ptr, mask_ptr, rows, tl.arange(0, BLOCK_N), n_rows, n_cols, stride_xr, stride_xc,
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
+        cols = start + tl.arange(0, BLOCK_N)
+        z, inside = _scores_tile(
+            x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
             mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, KEEP,
         )
-        for start in tl.range(BLOCK_N, n_cols + BLOCK_N, BLOCK_N, num_stages=1):
-            z = z_next
-            z_next, _ = _scores_tile(  # past the row on the last step: every lane masked, nothing read
-                x_ptr, mask_ptr, rows, start + tl.arange(0, BLOCK_N), n_rows, n_cols, stride_xr, stride_xc,
-                mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, KEEP,
-            )
-            m, s = _online_update(m, s, z)
-    else:
-        for start in tl.range(0, n_cols, BLOCK_N, num_stages=STAGES):
-            z, _ = _scores_tile(
-                x_ptr, mask_ptr, rows, start + tl.arange(0, BLOCK_N), n_rows, n_cols, stride_xr, stride_xc,
-                mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, KEEP,
-            )
-            m, s = _online_update(m, s, z)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        # While everything seen is -inf, s stays 0 (avoids exp(-inf - -inf) = NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
+        m = m_new
     row_max = m
     denom = s
     if ZERO_EMPTY_ROWS:
@@ -325,8 +303,8 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig) -> tuple[tuple, dict]:
-    """Grid and launch keywords of a looped kernel reading ``x`` (PREFETCH is the forward's only)."""
+def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig) -> dict:
+    """Grid and launch keywords of a looped kernel reading ``x``."""
     programs = _multiprocessors(x.device) * config.programs_per_sm
     grid = (min(n_rows, programs) if programs else n_rows,)
     block_n = min(config.block_n * 2 // max(x.element_size(), 2), next_power_of_2(n_cols))
@@ -395,11 +373,11 @@ def softmax_forward(
         raise ValueError(f"kernel must be 'one_pass' or 'looped' for the forward, got {kernel!r}")
     if kernel == "looped":
         grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
-        _softmax_fwd_looped_kernel[grid](*args, **common, **launch, PREFETCH=LOOP_FORWARD.prefetch)
+        _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
         _softmax_fwd_kernel[(cdiv(n_rows, block_m),)](
-            *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, STORE_CACHE=ONE_PASS_STORE_CACHE
+            *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
     return y
 
