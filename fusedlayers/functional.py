@@ -365,8 +365,9 @@ def _check_qparam_values(scale, zero_point, quant_min: int, quant_max: int) -> N
         raise ValueError("scale must be positive and finite")
     if not checks.get("zero_point", True):
         raise ValueError(f"zero_point must lie in [quant_min, quant_max] = [{quant_min}, {quant_max}]")
-    for t, what in ((scale, "scale"), (zero_point, (quant_min, quant_max))):
-        if isinstance(t, Tensor) and _cacheable(t):
+    for name in on_device:
+        t, what = (scale, "scale") if name == "scale" else (zero_point, (quant_min, quant_max))
+        if _cacheable(t):
             _checked_qparams[t] = (t._version, what)
 
 
