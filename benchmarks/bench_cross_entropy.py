@@ -21,6 +21,7 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
+from timing import report
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -158,10 +159,7 @@ def main() -> None:
         f"Autotuned kernel configs: {chosen_configs()}\n\n"
     )
     text = header + table(rows) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

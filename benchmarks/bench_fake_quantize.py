@@ -34,7 +34,7 @@ import time
 
 import torch
 import triton
-from timing import kernel_ms
+from timing import kernel_ms, report
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -319,13 +319,10 @@ def main() -> None:
         text += "\nHost time per call (the CPU issuing the work; no GPU wait at this size):\n\n" + host_text + "\n"
     if sweep_text:
         text += "\nTile sweep (fused kernels alone):\n\n```\n" + sweep_text + "\n```\n"
-    print(text)
     if args.out_dir:
         slug = re.sub(r"[^a-z0-9]+", "-", device.lower().removeprefix("nvidia ")).strip("-")
         args.out = os.path.join(args.out_dir, f"{slug}-fake_quantize.md")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

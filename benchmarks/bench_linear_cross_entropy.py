@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_cross_entropy import copy_bandwidth, peak_extra_bytes  # the same measurements for both
+from timing import report
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -158,10 +159,7 @@ def main() -> None:
     text = header + table(rows, mm_ms) + "\n"
     if tuned:
         text += "\n" + "\n".join(f"- {line}" for line in tuned) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

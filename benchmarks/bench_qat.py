@@ -20,6 +20,7 @@ import math
 import time
 
 import torch
+from timing import report
 
 import fusedlayers as fl
 from models.data import TextDataModule
@@ -117,10 +118,7 @@ def main() -> None:
         "(fp and PTQ after the same extra steps), (PTQ(control) - QAT) / (PTQ(control) - control) = "
         f"**{recovered_control:.0%}**. Wall time {time.time() - start:.0f} s.\n"
     )
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

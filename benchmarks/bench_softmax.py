@@ -16,6 +16,7 @@ import platform
 
 import torch
 import triton
+from timing import report
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -179,10 +180,7 @@ def main() -> None:
         "(N, L, L) scores, cols = L; the torch peer is (scores*scale).masked_fill(~mask, -inf).softmax(-1).\n\n"
     )
     text = header + table(rows, copy_bw) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

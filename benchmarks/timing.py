@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing and reporting helpers shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ def kernel_ms(fn, calls: int = 20) -> float:
             fn()
         torch.cuda.synchronize()
     return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
+def report(text: str, out: str | None) -> None:
+    """Print a benchmark's Markdown report and, when ``out`` is given, write it there."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
