@@ -465,6 +465,32 @@ def test_selective_recomputes_attention_scores():
     assert torch.equal(got[2], want[2])
 
 
+def test_selective_skips_ops_that_only_lead_to_kept_ones():
+    """With the softmax outputs kept, the recompute skips q @ k^T and its scaling (they only feed the kept softmax):
+    their outputs become placeholders that hold no memory, and gradients stay bitwise equal, dropout included."""
+    torch.manual_seed(0)
+    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
+
+    def keep_probabilities(op, *args, **kwargs):
+        return op is aten._softmax.default or (ckpt.is_expensive_op(op) and not ckpt._attention_scores(op, args))
+
+    want = train_step(block, block, x)
+    with ckpt._capture_frames() as frames:
+        got = train_step(lambda t: fl.checkpoint(block, t, policy=keep_probabilities), block, x)
+    frame = frames[0]
+    assert [e[0]._schema.name for e in frame.cache] == ["aten::addmm", "aten::_softmax", "aten::bmm"]
+    skipped = sorted(frame.ops[i].op._schema.name for i in frame.skippable)
+    assert skipped == ["aten::_unsafe_view", "aten::bmm", "aten::mul"], skipped  # the scores (matmul) and scaling
+    assert frame.ops[min(frame.skippable)].placeholder().stride() == (0, 0, 0)
+    assert_equal_lists(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+    # the default policy recomputes the scores (Megatron-LM's choice): nothing to skip
+    with ckpt._capture_frames() as frames:
+        train_step(lambda t: fl.checkpoint(block, t, policy="selective"), block, x)
+    assert not frames[0].skippable
+
+
 def test_callable_policy():
     block, x = make_block()
     calls = []

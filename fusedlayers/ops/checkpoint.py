@@ -299,8 +299,9 @@ class _BufferGuard:
 
 
 class _SelectiveMode(TorchDispatchMode):
-    """Forward: run every op and keep the outputs of those the policy keeps. Recompute (``replay``):
-    hand those outputs back instead of running the ops."""
+    """Forward: run every op, keep the outputs of those the policy keeps, and record which op made each
+    tensor. Recompute (``replay``): hand the kept outputs back instead of running their ops, and skip the
+    ops that only lead to kept ones (see ``_Frame.find_skippable``)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -313,22 +314,28 @@ class _SelectiveMode(TorchDispatchMode):
         self.frame = frame
         self.replay = replay
         self.kept = 0  # ops kept (forward) or handed back (recompute) so far
+        self.ran = 0  # ops dispatched so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.frame.keeps(func, args, kwargs):
+        frame = self.frame
+        op_index = self.ran
+        self.ran += 1
+        keep = frame.keeps(func, args, kwargs)
+        if not self.replay:
+            return self._forward(func, args, kwargs, keep)
+        if frame.skippable:  # skipping relies on the recompute running the forward's ops in the same order
+            if op_index >= len(frame.ops) or frame.ops[op_index].op is not func:
+                raise CheckpointError(
+                    f"fl.checkpoint(policy=selective): the recompute ran {func} as op #{op_index}, where the forward "
+                    f"ran {frame.ops[op_index].op if op_index < len(frame.ops) else 'nothing'}; the function must "
+                    "run the same ops when it is recomputed")
+            if op_index in frame.skippable:
+                return frame.ops[op_index].placeholder()
+        if not keep:
             return func(*args, **kwargs)
         index = self.kept
         self.kept += 1
-        frame = self.frame
-        if not self.replay:
-            out = func(*args, **kwargs)
-            rng = None
-            if frame.preserve_rng_state and _may_use_rng(func):
-                rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
-            kept = tree_map(_detach, out)
-            frame.cache.append((func, kept, rng, _versions(kept)))
-            return out
         entry = frame.cache[index] if index < len(frame.cache) else None
         if entry is None:  # dropped after forward: not needed, or changed in place
             return func(*args, **kwargs)
@@ -343,6 +350,19 @@ class _SelectiveMode(TorchDispatchMode):
         if rng is not None:
             rng.set()
         return tree_map(_detach, out)
+
+    def _forward(self, func, args, kwargs, keep: bool):
+        frame = self.frame
+        out = func(*args, **kwargs)
+        if keep:
+            rng = None
+            if frame.preserve_rng_state and _may_use_rng(func):
+                rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
+            kept = tree_map(_detach, out)
+            frame.cache.append((func, kept, rng, _versions(kept)))
+            self.kept += 1
+        frame.record_op(func, args, kwargs, out, keep)
+        return out
 
 
 def _versions(tree) -> tuple[int, ...]:
@@ -368,6 +388,29 @@ class _SaveInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # never reached: the output is not used
         return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class _OpRecord:
+    """One op the forward ran under the selective mode: what the recompute needs to skip it."""
+
+    __slots__ = ("op", "kept", "inputs", "must_run", "spec", "outputs")
+
+    def __init__(self, op, kept: bool, inputs: list[int], out) -> None:
+        self.op = op
+        self.kept = kept
+        self.inputs = inputs  # indices of the ops that made its tensor arguments
+        leaves, self.spec = tree_flatten(out)
+        # Ops that must run whatever their outputs are used for: they draw random numbers (skipping them would
+        # shift the RNG stream), mutate or alias an argument, or return something other than tensors.
+        self.must_run = (_may_use_rng(op) or not _keepable(op)
+                         or not leaves or not all(isinstance(t, Tensor) for t in leaves))
+        self.outputs = [] if self.must_run else [(t.shape, t.dtype, t.device) for t in leaves]
+
+    def placeholder(self):
+        """Outputs of the right shapes and dtypes that hold no memory (stride 0): only skipped ops and kept ops,
+        which never read them, consume them."""
+        leaves = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in self.outputs]
+        return tree_unflatten(leaves, self.spec)
 
 
 class _Handle:
@@ -404,7 +447,12 @@ class _Frame:
         self.handles: list[weakref.ref] = []
         self.cache: list = []  # selective, per kept op: (op, outputs, RNG state after it, versions) or None
         self.kept_at_pack = 0  # selective: ops kept when the last tensor was saved
+        self.ran_at_pack = 0  # selective: ops run when the last tensor was saved (the recompute stops there)
         self.mode: _SelectiveMode | None = None
+        self.ops: list[_OpRecord] = []  # selective: every op the forward ran
+        self.made_by: dict[int, tuple[weakref.ref, int]] = {}  # forward: id(tensor) -> (tensor, index of its op)
+        self.saved_by: set[int] = set()  # forward: indices of the ops that made tensors autograd saved
+        self.skippable: frozenset[int] = frozenset()  # recompute: ops whose outputs lead only to kept ops
         self.recomputed: dict[int, dict[int, Tensor]] = {}
 
     # --------------------------------------------------------------- policy
@@ -437,7 +485,48 @@ class _Frame:
         # changed in place after their op ran cannot stand in for it (the recompute runs those ops again).
         del self.cache[self.kept_at_pack:]
         self.cache = [None if _versions(e[1]) != e[3] else e for e in self.cache]
+        if mode is not None:
+            # Under autocast the recompute may run fewer casts than the forward (autocast's weight cache), so the
+            # two op sequences need not line up: nothing is skipped there.
+            if not any(enabled for _, enabled, _ in self.autocast[0]):
+                self.skippable = self.find_skippable()
+            self.made_by.clear()
         return out
+
+    def record_op(self, op, args, kwargs, out, kept: bool) -> None:
+        inputs = [self._maker(t) for t in _tensor_leaves((args, kwargs))]
+        self.ops.append(_OpRecord(op, kept, [i for i in inputs if i is not None], out))
+        for t in _tensor_leaves(out):
+            self.made_by[id(t)] = (weakref.ref(t), len(self.ops) - 1)
+
+    def _maker(self, tensor: Tensor) -> int | None:
+        entry = self.made_by.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def find_skippable(self) -> frozenset[int]:
+        """The ops the recompute need not run: those whose outputs reach neither a tensor autograd saved nor an
+        op that must run, except through kept ops (which hand their outputs back without reading their inputs).
+        E.g. with softmax outputs kept, the attention scores before them (q @ k^T, scale, mask) are skipped."""
+        usable = {i for i, entry in enumerate(self.cache) if entry is not None}  # kept ops handing outputs back
+        kept_index = -1
+        needed, stack = set(), []
+        for i, record in enumerate(self.ops):
+            if record.kept:
+                kept_index += 1
+                record.kept = kept_index in usable
+            if i in self.saved_by or record.must_run:
+                needed.add(i)
+                stack.append(i)
+        while stack:
+            record = self.ops[stack.pop()]
+            if record.kept:
+                continue
+            for j in record.inputs:
+                if j not in needed:
+                    needed.add(j)
+                    stack.append(j)
+        return frozenset(i for i, record in enumerate(self.ops[:self.ran_at_pack])
+                         if i not in needed and not record.kept)
 
     def pack(self, tensor: Tensor) -> _Handle:
         handle = _Handle(self, len(self.metas))
@@ -445,6 +534,10 @@ class _Frame:
         self.handles.append(weakref.ref(handle))
         if self.mode is not None:
             self.kept_at_pack = self.mode.kept
+            self.ran_at_pack = self.mode.ran
+            maker = self._maker(tensor)
+            if maker is not None:
+                self.saved_by.add(maker)
         return handle
 
     # --------------------------------------------------------------- backward
