@@ -390,16 +390,29 @@ class _SaveInputs(torch.autograd.Function):
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
+def _flat_tensors(values) -> list[Tensor]:
+    """The tensors among an op's arguments or outputs: aten ops take and return tensors, scalars and flat lists of
+    them, so one level of nesting is looked into (cheaper than a pytree walk for every op)."""
+    found = []
+    for v in values:
+        if isinstance(v, Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(x for x in v if isinstance(x, Tensor))
+    return found
+
+
 class _OpRecord:
     """One op the forward ran under the selective mode: what the recompute needs to skip it."""
 
-    __slots__ = ("op", "kept", "inputs", "must_run", "spec", "outputs")
+    __slots__ = ("op", "kept", "inputs", "must_run", "outputs", "kind")
 
     def __init__(self, op, kept: bool, inputs: list[int], out) -> None:
         self.op = op
         self.kept = kept
         self.inputs = inputs  # indices of the ops that made its tensor arguments
-        leaves, self.spec = tree_flatten(out)
+        self.kind = type(out)  # a tensor, or a tuple / list of them
+        leaves = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else []
         # Ops that must run whatever their outputs are used for: they draw random numbers (skipping them would
         # shift the RNG stream), mutate or alias an argument, or return something other than tensors.
         self.must_run = (_may_use_rng(op) or not _keepable(op)
@@ -410,7 +423,7 @@ class _OpRecord:
         """Outputs of the right shapes and dtypes that hold no memory (stride 0): only skipped ops and kept ops,
         which never read them, consume them."""
         leaves = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in self.outputs]
-        return tree_unflatten(leaves, self.spec)
+        return leaves[0] if issubclass(self.kind, Tensor) else self.kind(leaves)
 
 
 class _Handle:
@@ -494,10 +507,11 @@ class _Frame:
         return out
 
     def record_op(self, op, args, kwargs, out, kept: bool) -> None:
-        inputs = [self._maker(t) for t in _tensor_leaves((args, kwargs))]
-        self.ops.append(_OpRecord(op, kept, [i for i in inputs if i is not None], out))
-        for t in _tensor_leaves(out):
-            self.made_by[id(t)] = (weakref.ref(t), len(self.ops) - 1)
+        makers = [self._maker(t) for t in _flat_tensors((*args, *kwargs.values()))]
+        self.ops.append(_OpRecord(op, kept, [i for i in makers if i is not None], out))
+        index = len(self.ops) - 1
+        for t in [out] if isinstance(out, Tensor) else _flat_tensors(out) if isinstance(out, (tuple, list)) else []:
+            self.made_by[id(t)] = (weakref.ref(t), index)
 
     def _maker(self, tensor: Tensor) -> int | None:
         entry = self.made_by.get(id(tensor))
