@@ -50,7 +50,10 @@ Policies
   little compute for the (s*s per head) memory it would hold. A ``TorchDispatchMode`` records the outputs
   of the chosen ops during forward and hands them back instead of running the ops again during the
   recompute. Outputs only needed by ops after the last tensor autograd saved are dropped after forward
-  (the recompute stops before them).
+  (the recompute stops before them). The forward also records which op made each tensor, and the recompute
+  skips the ops whose outputs lead only to kept ones (they get placeholders that hold no memory): a policy
+  that keeps softmax outputs recomputes no attention scores. (Not under autocast, whose weight-cast cache
+  can make the recompute run fewer ops than the forward.)
 - a callable ``policy(op, *args, **kwargs) -> bool``: True to keep that op's output. ``op`` is an
   ``torch._ops.OpOverload`` (e.g. ``torch.ops.aten.mm.default``), args are its (autograd-free) tensors
   and values. It is called in forward and again, with the same arguments, in the recompute, and must
