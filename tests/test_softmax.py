@@ -18,21 +18,27 @@ SHAPES = [(7,), (3, 17), (2, 5, 33), (2, 3, 4, 129), (1, 1000), (5, 2049)]
 LOW_PRECISION = {torch.float16, torch.bfloat16}
 
 
-def _check_softmax(x: torch.Tensor, dim: int, dtype=None) -> None:
-    """Output and input gradient of fl.softmax vs torch.softmax vs the float64 reference."""
+def _check_parity(x: torch.Tensor, fused_fn, stock_fn, reference_fn) -> torch.Tensor:
+    """Output and input gradient of ``fused_fn`` vs ``stock_fn`` vs ``reference_fn`` on a float64 copy of x (a random
+    upstream gradient); returns the fused input's gradient."""
     fused_in = x.detach().clone().requires_grad_()
     stock_in = x.detach().clone().requires_grad_()
     ref_in = x.detach().double().requires_grad_()
-    fused = fl.softmax(fused_in, dim, dtype=dtype)
-    stock = torch.softmax(stock_in, dim, dtype=dtype)
-    ref = torch.softmax(ref_in, dim)
+    fused, stock, ref = fused_fn(fused_in), stock_fn(stock_in), reference_fn(ref_in)
     assert_parity(fused, stock, ref, "output")
     grad = torch.randn_like(stock)
     fused.backward(grad)
     stock.backward(grad)
     ref.backward(grad.double())
     assert_parity(fused_in.grad, stock_in.grad, ref_in.grad, "grad input")
-    assert fused_in.grad.dtype == x.dtype
+    return fused_in.grad
+
+
+def _check_softmax(x: torch.Tensor, dim: int, dtype=None) -> None:
+    """fl.softmax vs torch.softmax vs the float64 reference."""
+    grad = _check_parity(x, lambda t: fl.softmax(t, dim, dtype=dtype), lambda t: torch.softmax(t, dim, dtype=dtype),
+                         lambda t: torch.softmax(t, dim))
+    assert grad.dtype == x.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -178,19 +184,11 @@ def _stock_masked(scores, scale, mask, is_causal):
 
 
 def _check_masked(scores, scale, mask, is_causal):
-    fused_in = scores.detach().clone().requires_grad_()
-    stock_in = scores.detach().clone().requires_grad_()
-    ref_in = scores.detach().double().requires_grad_()
+    """fl.scaled_masked_softmax vs the same in torch ops vs those in float64."""
     ref_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
-    fused = fl.scaled_masked_softmax(fused_in, scale, mask, is_causal)
-    stock = _stock_masked(stock_in, scale, mask, is_causal)
-    ref = _stock_masked(ref_in, scale, ref_mask, is_causal)
-    assert_parity(fused, stock, ref, "output")
-    grad = torch.randn_like(stock)
-    fused.backward(grad)
-    stock.backward(grad)
-    ref.backward(grad.double())
-    assert_parity(fused_in.grad, stock_in.grad, ref_in.grad, "grad scores")
+    _check_parity(scores, lambda t: fl.scaled_masked_softmax(t, scale, mask, is_causal),
+                  lambda t: _stock_masked(t, scale, mask, is_causal),
+                  lambda t: _stock_masked(t, scale, ref_mask, is_causal))
 
 
 def _keep_diagonal(mask: torch.Tensor) -> torch.Tensor:
