@@ -465,15 +465,16 @@ def test_selective_recomputes_attention_scores():
     assert torch.equal(got[2], want[2])
 
 
+def keep_probabilities(op, *args, **kwargs):
+    """The selective choice plus the softmax outputs."""
+    return op is aten._softmax.default or (ckpt.is_expensive_op(op) and not ckpt._attention_scores(op, args))
+
+
 def test_selective_skips_ops_that_only_lead_to_kept_ones():
     """With the softmax outputs kept, the recompute skips q @ k^T and its scaling (they only feed the kept softmax):
     their outputs become placeholders that hold no memory, and gradients stay bitwise equal, dropout included."""
     torch.manual_seed(0)
     block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
-
-    def keep_probabilities(op, *args, **kwargs):
-        return op is aten._softmax.default or (ckpt.is_expensive_op(op) and not ckpt._attention_scores(op, args))
-
     want = train_step(block, block, x)
     with ckpt._capture_frames() as frames:
         got = train_step(lambda t: fl.checkpoint(block, t, policy=keep_probabilities), block, x)
@@ -747,3 +748,30 @@ def test_cuda_batchnorm_updated_once():
     ref(x).sum().backward()
     fl.CheckpointedBlock(net, policy="selective")(x).sum().backward()
     assert_equal_lists([b for _, b in net.named_buffers()], [b for _, b in ref.named_buffers()], "buffer")
+
+
+@pytest.mark.cuda
+def test_cuda_selective_skips_scores_with_kept_probabilities():
+    """The skipping on the GPU: written-out attention with dropout (CUDA RNG), softmax outputs kept, the scores
+    skipped in the recompute; output and gradients equal to the unwrapped block's within its run-to-run noise."""
+    torch.manual_seed(0)
+    block = MathAttentionBlock(d=64, heads=4, p=0.2).cuda()
+    x = torch.randn(2, 128, 64, device="cuda", requires_grad=True)
+
+    def run(fn):
+        for t in [x, *block.parameters()]:
+            t.grad = None
+        torch.manual_seed(1)
+        y = fn(x)
+        y.square().sum().backward()
+        return y.detach(), grads_of([x, *block.parameters()])
+
+    with ckpt._capture_frames() as frames:
+        got = run(lambda t: fl.checkpoint(block, t, policy=keep_probabilities))
+    assert sorted(frames[0].ops[i].op._schema.name for i in frames[0].skippable) == [
+        "aten::_unsafe_view", "aten::bmm", "aten::mul"]
+    want, again = run(block), run(block)
+    assert torch.equal(got[0], want[0])
+    for g, w, a in zip(got[1], want[1], again[1], strict=True):
+        noise = (a - w).abs().max().item()
+        assert (g - w).abs().max().item() <= 2 * noise, (noise,)
