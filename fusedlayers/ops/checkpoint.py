@@ -507,6 +507,8 @@ class _Frame:
             if not any(enabled for _, enabled, _ in self.autocast[0]):
                 self.skippable = self.find_skippable()
             self.made_by.clear()
+            if not self.skippable:  # the records only serve the skipping
+                self.ops = []
         return out
 
     def record_op(self, op, args, kwargs, out, kept: bool) -> None:
