@@ -324,18 +324,17 @@ class _SelectiveMode(TorchDispatchMode):
         frame = self.frame
         op_index = self.ran
         self.ran += 1
-        keep = frame.keeps(func, args, kwargs)
         if not self.replay:
-            return self._forward(func, args, kwargs, keep)
+            return self._forward(func, args, kwargs, frame.keeps(func, args, kwargs))
         if frame.skippable:  # skipping relies on the recompute running the forward's ops in the same order
             if op_index >= len(frame.ops) or frame.ops[op_index].op is not func:
                 raise CheckpointError(
                     f"fl.checkpoint(policy=selective): the recompute ran {func} as op #{op_index}, where the forward "
                     f"ran {frame.ops[op_index].op if op_index < len(frame.ops) else 'nothing'}; the function must "
                     "run the same ops when it is recomputed")
-            if op_index in frame.skippable:
+            if op_index in frame.skippable:  # (the policy is not asked about placeholders)
                 return frame.ops[op_index].placeholder()
-        if not keep:
+        if not frame.keeps(func, args, kwargs):
             return func(*args, **kwargs)
         index = self.kept
         self.kept += 1
