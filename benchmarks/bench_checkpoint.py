@@ -12,7 +12,9 @@ bf16 parameters and activations; B=8, T=1024, d=1024, 16 heads) with:
 - fl wide-mm: fl.checkpoint with a callable policy keeping only the outputs of the widening matmuls (qkv,
   fc1); attention and the d->d matmuls are recomputed (trades more compute for less memory);
 - fl keep-probs: selective plus the attention probabilities (softmax outputs) kept: on written-out attention the
-  recompute skips the scores and reruns only the dropout after the softmax (trades memory for time).
+  recompute skips the scores and reruns only the dropout after the softmax (trades memory for time);
+- fl probs+copies: keep-probs plus the contiguous copies of q, k^T, v and the attention output that autograd saves
+  (same memory: the qkv and probs @ v outputs are then freed), so the recompute skips the qkv matmul and the copies.
 
 Reports the step time (triton.testing.do_bench median; ratio to 'none'), the activation memory per layer
 held between forward and backward ((memory after forward - memory before) / L: what the formula counts)
@@ -120,6 +122,14 @@ def keep_probabilities(op, *args, **kwargs) -> bool:
         fl.ops.checkpoint._attention_scores(op, args))
 
 
+def keep_probabilities_and_copies(op, *args, **kwargs) -> bool:
+    """keep-probs plus the copies autograd saves for the matmuls (q, k^T and v made contiguous for q @ k^T and
+    probs @ v; the attention output made contiguous for the projection), as much memory as the qkv and probs @ v
+    outputs they are copies of: the recompute skips those two matmuls (their kept outputs are freed after forward)
+    and does not redo the strided copies (about 1 TB/s on an H200, a quarter of keep-probs' recompute time)."""
+    return op is aten.clone.default or keep_probabilities(op, *args, **kwargs)
+
+
 VARIANTS = {
     "none": lambda block, x: block(x),
     "torch": lambda block, x: torch_checkpoint(block, x, use_reentrant=False),
@@ -128,6 +138,7 @@ VARIANTS = {
     "fl selective": lambda block, x: fl.checkpoint(block, x, policy="selective"),
     "fl wide-mm": lambda block, x: fl.checkpoint(block, x, policy=wide_matmuls),
     "fl keep-probs": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities),
+    "fl probs+copies": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities_and_copies),
 }
 
 
@@ -185,7 +196,7 @@ def gradient_check(p: float) -> list[str]:
 
     ref = grads("none")
     lines = [f"none vs none (run-to-run): {(grads('none') - ref).abs().max().item():.3e}"]
-    for name in ("fl full", "fl selective", "fl wide-mm", "fl keep-probs"):
+    for name in ("fl full", "fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies"):
         lines.append(f"{name} vs none: {(grads(name) - ref).abs().max().item():.3e}")
     torch.cuda.empty_cache()
     return lines
@@ -212,7 +223,8 @@ def table(rows: list[dict], p: float) -> str:
     sbh = T * B * D
     formula = sbh * (34 + 5 * HEADS * T / D)
     none = next(r for r in rows if r["name"] == "none")
-    peers = {"fl full": "torch", "fl selective": "torch SAC", "fl wide-mm": "torch SAC", "fl keep-probs": "torch SAC"}
+    peers = {"fl full": "torch", "fl selective": "torch SAC", "fl wide-mm": "torch SAC", "fl keep-probs": "torch SAC",
+             "fl probs+copies": "torch SAC"}
     out = [f"### {ATTENTION} attention, B={B}, dropout {p}\n",
            f"Formula s*b*h*(34 + 5*a*s/h) = {formula / 2**20:.0f} MiB per layer "
            f"(= {formula / sbh:.0f} sbh bytes); 2*s*b*h = {2 * sbh / 2**20:.0f} MiB; "
@@ -246,7 +258,7 @@ def targets(rows: list[dict]) -> str:
             f"step overhead {over['fl full']:+.1%} vs torch's {over['torch']:+.1%} (target: no larger): "
             f"{verdict(over['fl full'] <= over['torch'])}; in GPU time {gpu['fl full']:+.1%} vs {gpu['torch']:+.1%}: "
             f"{verdict(gpu['fl full'] <= gpu['torch'])}")
-    for name in ("fl selective", "fl wide-mm", "fl keep-probs"):
+    for name in ("fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies"):
         if name in r:
             saved = 1 - r[name]["stored"] / r["none"]["stored"]
             lines.append(f"- {name}: activation memory {saved:.1%} less than none (target >= 50%): "

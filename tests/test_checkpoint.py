@@ -492,6 +492,54 @@ def test_selective_skips_ops_that_only_lead_to_kept_ones():
     assert not frames[0].skippable
 
 
+def keep_probabilities_and_copies(op, *args, **kwargs):
+    """keep_probabilities plus the copies autograd saves for the matmuls (q, k^T, v and the attention output)."""
+    return op is aten.clone.default or keep_probabilities(op, *args, **kwargs)
+
+
+def test_selective_frees_kept_outputs_the_recompute_does_not_read():
+    """With the copies of q, k^T and v kept, nothing in the recompute reads the qkv matmul's output (views run on
+    a placeholder with its strides): it is skipped and its kept output freed after forward; so is probs @ v, whose
+    copy (the projection's input) is kept. Gradients stay bitwise equal."""
+    torch.manual_seed(0)
+    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
+    want = train_step(block, block, x)
+    with ckpt._capture_frames() as frames:
+        got = train_step(lambda t: fl.checkpoint(block, t, policy=keep_probabilities_and_copies), block, x)
+    frame = frames[0]
+    held = [e[0]._schema.name for e in frame.cache if e is not None]
+    assert held == ["aten::clone", "aten::clone", "aten::_softmax", "aten::clone", "aten::clone"], held
+    skipped = [frame.ops[i] for i in sorted(frame.skippable)]
+    assert [r.op._schema.name for r in skipped if r.kept] == ["aten::addmm", "aten::bmm"]
+    qkv = skipped[0]
+    assert qkv.op is aten.addmm.default and qkv.feeds_view  # linear's view reads it: a strided placeholder
+    assert qkv.placeholder().stride() == (24, 1)
+    assert_equal_lists(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+
+def test_skipping_falls_back_when_the_recompute_branches_on_a_placeholder():
+    """Code that branches on the layout of a skipped op's output sees a placeholder in the recompute and runs
+    other ops: the recompute says so in a warning and runs again without skipping; gradients stay exact."""
+    def fn(t):
+        h = t + 1  # only leads to the kept mul: skipped, a stride-0 placeholder in the recompute
+        y = h * 2 if h.is_contiguous() else (h + 0) * 2
+        return y.sin()
+
+    def keep_mul(op, *args, **kwargs):
+        return op.overloadpacket is aten.mul
+
+    x = torch.randn(4, 5, requires_grad=True)
+    want = torch.autograd.grad(fn(x).sum(), x)[0]
+    with ckpt._capture_frames() as frames:
+        y = fl.checkpoint(fn, x, policy=keep_mul)
+    assert [frames[0].ops[i].op for i in frames[0].skippable] == [aten.add.Tensor]
+    with pytest.warns(UserWarning, match="without skipping"):
+        got = torch.autograd.grad(y.sum(), x)[0]
+    assert torch.equal(got, want)
+    assert not frames[0].skippable
+
+
 def test_callable_policy():
     block, x = make_block()
     calls = []

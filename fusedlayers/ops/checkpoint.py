@@ -68,6 +68,7 @@ import functools
 import inspect
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +106,11 @@ def _recomputing():
 
 class _StopRecompute(Exception):
     """Raised from the recompute's pack hook once the last tensor still needed exists."""
+
+
+class _SkipMismatch(CheckpointError):
+    """The recompute, skipping ops, ran other ops than the forward (code that branches on an output's layout or
+    values): it is run again without skipping."""
 
 
 # ----------------------------------------------------------------------------- the selective policy
@@ -328,12 +334,16 @@ class _SelectiveMode(TorchDispatchMode):
             return self._forward(func, args, kwargs, frame.keeps(func, args, kwargs))
         if frame.skippable:  # skipping relies on the recompute running the forward's ops in the same order
             if op_index >= len(frame.ops) or frame.ops[op_index].op is not func:
-                raise CheckpointError(
-                    f"fl.checkpoint(policy=selective): the recompute ran {func} as op #{op_index}, where the forward "
-                    f"ran {frame.ops[op_index].op if op_index < len(frame.ops) else 'nothing'}; the function must "
-                    "run the same ops when it is recomputed")
+                ran = frame.ops[op_index].op if op_index < len(frame.ops) else "nothing"
+                raise _SkipMismatch(
+                    f"fl.checkpoint: the recompute, skipping ops whose outputs it does not need, ran {func} as op "
+                    f"#{op_index} where the forward ran {ran} (the function branches on the layout or values of a "
+                    "skipped op's output)")
             if op_index in frame.skippable:  # (the policy is not asked about placeholders)
-                return frame.ops[op_index].placeholder()
+                record = frame.ops[op_index]
+                if record.kept:  # a kept op whose output the recompute does not read (dropped after forward)
+                    self.kept += 1
+                return record.placeholder()
         if not frame.keeps(func, args, kwargs):
             return func(*args, **kwargs)
         index = self.kept
@@ -407,24 +417,32 @@ def _flat_tensors(values) -> list[Tensor]:
 class _OpRecord:
     """One op the forward ran under the selective mode: what the recompute needs to skip it."""
 
-    __slots__ = ("op", "kept", "inputs", "must_run", "outputs", "kind")
+    __slots__ = ("op", "kept", "kept_index", "inputs", "must_run", "is_view", "feeds_view", "outputs", "kind")
 
     def __init__(self, op, kept: bool, inputs: list[int], out) -> None:
         self.op = op
         self.kept = kept
+        self.kept_index = -1  # its place in the frame's cache, when kept
         self.inputs = inputs  # indices of the ops that made its tensor arguments
         self.kind = type(out)  # a tensor, or a tuple / list of them
         leaves = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else []
         # Ops that must run whatever their outputs are used for: they draw random numbers (skipping them would
-        # shift the RNG stream), mutate or alias an argument, or return something other than tensors.
-        self.must_run = (_may_use_rng(op) or not _keepable(op)
+        # shift the RNG stream), mutate an argument, or return something other than tensors.
+        self.must_run = (_may_use_rng(op) or op._schema.is_mutable
                          or not leaves or not all(isinstance(t, Tensor) for t in leaves))
-        self.outputs = [] if self.must_run else [(t.shape, t.dtype, t.device) for t in leaves]
+        # Views always run (they cost nothing and must alias), on a placeholder if what they view was skipped.
+        self.is_view = not _keepable(op) and not self.must_run
+        self.feeds_view = False  # set when a view reads an output: its placeholder then needs the real strides
+        self.outputs = [] if self.must_run else [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
     def placeholder(self):
-        """Outputs of the right shapes and dtypes that hold no memory (stride 0): only skipped ops and kept ops,
-        which never read them, consume them."""
-        leaves = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in self.outputs]
+        """Outputs of the right shapes, dtypes and (where a view reads them) strides, never read: only skipped ops,
+        kept ops and views consume them. Stride 0 (no memory) unless a view reads them: ``view``, ``reshape`` and
+        the composite ops above them (``F.linear``, ``matmul``) choose their aten ops from the strides, and the
+        recompute must run the forward's ops (an uninitialised tensor: memory held only while the recompute runs)."""
+        leaves = [torch.empty_strided(shape, stride, dtype=dtype, device=device) if self.feeds_view
+                  else torch.empty((), dtype=dtype, device=device).expand(shape)
+                  for shape, stride, dtype, device in self.outputs]
         return leaves[0] if issubclass(self.kind, Tensor) else self.kind(leaves)
 
 
@@ -505,6 +523,9 @@ class _Frame:
             # two op sequences need not line up: nothing is skipped there.
             if not any(enabled for _, enabled, _ in self.autocast[0]):
                 self.skippable = self.find_skippable()
+                for i in self.skippable:  # kept outputs nothing in the recompute reads: free them now
+                    if self.ops[i].kept:
+                        self.cache[self.ops[i].kept_index] = None
             self.made_by.clear()
             if not self.skippable:  # the records only serve the skipping
                 self.ops = []
@@ -512,7 +533,11 @@ class _Frame:
 
     def record_op(self, op, args, kwargs, out, kept: bool) -> None:
         makers = [self._maker(t) for t in _flat_tensors((*args, *kwargs.values()))]
-        self.ops.append(_OpRecord(op, kept, [i for i in makers if i is not None], out))
+        record = _OpRecord(op, kept, [i for i in makers if i is not None], out)
+        if record.is_view:
+            for i in record.inputs:
+                self.ops[i].feeds_view = True
+        self.ops.append(record)
         index = len(self.ops) - 1
         for t in [out] if isinstance(out, Tensor) else _flat_tensors(out) if isinstance(out, (tuple, list)) else []:
             self.made_by[id(t)] = (weakref.ref(t), index)
@@ -524,13 +549,15 @@ class _Frame:
     def find_skippable(self) -> frozenset[int]:
         """The ops the recompute need not run: those whose outputs reach neither a tensor autograd saved nor an
         op that must run, except through kept ops (which hand their outputs back without reading their inputs).
-        E.g. with softmax outputs kept, the attention scores before them (q @ k^T, scale, mask) are skipped."""
+        E.g. with softmax outputs kept, the attention scores before them (q @ k^T, scale, mask) are skipped; with
+        the copies of q, k and v kept, so is the qkv matmul, even if kept too (its output is then freed)."""
         usable = {i for i, entry in enumerate(self.cache) if entry is not None}  # kept ops handing outputs back
         kept_index = -1
         needed, stack = set(), []
         for i, record in enumerate(self.ops):
             if record.kept:
                 kept_index += 1
+                record.kept_index = kept_index
                 record.kept = kept_index in usable
             if i in self.saved_by or record.must_run:
                 needed.add(i)
@@ -543,8 +570,8 @@ class _Frame:
                 if j not in needed:
                     needed.add(j)
                     stack.append(j)
-        return frozenset(i for i, record in enumerate(self.ops[:self.ran_at_pack])
-                         if i not in needed and not record.kept)
+        return frozenset(i for i in range(min(self.ran_at_pack, len(self.ops)))
+                         if i not in needed and not self.ops[i].is_view)
 
     def pack(self, tensor: Tensor) -> _Handle:
         handle = _Handle(self, len(self.metas))
@@ -566,12 +593,21 @@ class _Frame:
         store: dict[int, Tensor] = {}
         if not wanted:
             return store
-        last = max(wanted)
         saved = self.input_saver.grad_fn.saved_tensors  # unpacks through an outer checkpoint when nested
         tensors = iter(t.detach().requires_grad_(rg) if rg else t.detach()
                        for t, rg in zip(saved, self.requires_grad, strict=True))
         leaves = [next(tensors) if x is _TENSOR else x for x in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
+        try:
+            return self._rerun(args, kwargs, wanted)
+        except _SkipMismatch as e:
+            warnings.warn(f"{e}. Running it again without skipping ops (slower, same result).", stacklevel=2)
+            self.skippable, self.ops = frozenset(), []
+            return self._rerun(args, kwargs, wanted)
+
+    def _rerun(self, args, kwargs, wanted: set[int]) -> dict[int, Tensor]:
+        store: dict[int, Tensor] = {}
+        last = max(wanted)
         mode = None if self.policy == "full" else _SelectiveMode(self, replay=True)
         count = 0
 
