@@ -115,11 +115,13 @@ def wide_matmuls(op, *args, **kwargs) -> bool:
     return False
 
 
+SOFTMAX, COPY = aten._softmax.default, aten.clone.default
+
+
 def keep_probabilities(op, *args, **kwargs) -> bool:
     """The default selective choice, plus the attention probabilities (softmax outputs): the recompute then skips
     q @ k^T, its scaling and its mask (they only lead to the kept softmax) and reruns only the dropout after it."""
-    return op is aten._softmax.default or fl.ops.checkpoint._default_decision(op) and not (
-        fl.ops.checkpoint._attention_scores(op, args))
+    return op is SOFTMAX or fl.ops.checkpoint.is_expensive_op(op) and not fl.ops.checkpoint._attention_scores(op, args)
 
 
 def keep_probabilities_and_copies(op, *args, **kwargs) -> bool:
@@ -127,7 +129,7 @@ def keep_probabilities_and_copies(op, *args, **kwargs) -> bool:
     probs @ v; the attention output made contiguous for the projection), as much memory as the qkv and probs @ v
     outputs they are copies of: the recompute skips those two matmuls (their kept outputs are freed after forward)
     and does not redo the strided copies (about 1 TB/s on an H200, a quarter of keep-probs' recompute time)."""
-    return op is aten.clone.default or keep_probabilities(op, *args, **kwargs)
+    return op is COPY or keep_probabilities(op, *args, **kwargs)
 
 
 VARIANTS = {

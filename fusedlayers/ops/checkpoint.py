@@ -129,6 +129,7 @@ EXPENSIVE_FUSEDLAYERS_PREFIXES = ("attention", "scaled_dot_product_attention", "
                                   "linear_cross_entropy")
 
 
+@functools.cache  # called for every op a selective checkpoint runs; reading op._schema costs microseconds
 def is_expensive_op(op) -> bool:
     """The default selective policy: is ``op`` (an OpOverload) a matmul, convolution or attention op of
     aten, or an attention / linear-cross-entropy op of ``torch.ops.fusedlayers``?"""
@@ -140,7 +141,7 @@ def is_expensive_op(op) -> bool:
     return False
 
 
-_BATCHED_MATMULS = frozenset({"aten::bmm", "aten::baddbmm"})
+_BATCHED_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
 
 
 def _attention_scores(op, args) -> bool:
@@ -148,7 +149,7 @@ def _attention_scores(op, args) -> bool:
     head from two s*d factors). Cheap to recompute for the memory they take; selective recomputes them (with
     the softmax and dropout after them), as Megatron-LM's selective recomputation does. Linear layers run
     ``mm`` / ``addmm`` and are always kept."""
-    if op._schema.name not in _BATCHED_MATMULS:
+    if op not in _BATCHED_MATMULS:
         return False
     a, b = args[-2], args[-1]  # bmm(a, b); baddbmm(input, a, b)
     return a.shape[1] * b.shape[2] > a.shape[2] * (a.shape[1] + b.shape[2])
@@ -164,6 +165,13 @@ def _keepable(op) -> bool:
 @functools.cache
 def _may_use_rng(op) -> bool:
     return op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
+
+
+@functools.cache
+def _runs_for_effect(op) -> bool:
+    """Ops that must run in the recompute whatever their outputs are used for: they draw random numbers
+    (skipping them would shift the RNG stream) or mutate an argument."""
+    return _may_use_rng(op) or op._schema.is_mutable
 
 
 @functools.cache
@@ -426,10 +434,7 @@ class _OpRecord:
         self.inputs = inputs  # indices of the ops that made its tensor arguments
         self.kind = type(out)  # a tensor, or a tuple / list of them
         leaves = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else []
-        # Ops that must run whatever their outputs are used for: they draw random numbers (skipping them would
-        # shift the RNG stream), mutate an argument, or return something other than tensors.
-        self.must_run = (_may_use_rng(op) or op._schema.is_mutable
-                         or not leaves or not all(isinstance(t, Tensor) for t in leaves))
+        self.must_run = _runs_for_effect(op) or not leaves or not all(isinstance(t, Tensor) for t in leaves)
         # Views always run (they cost nothing and must alias), on a placeholder if what they view was skipped.
         self.is_view = not _keepable(op) and not self.must_run
         self.feeds_view = False  # set when a view reads an output: its placeholder then needs the real strides
