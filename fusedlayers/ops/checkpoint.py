@@ -51,8 +51,12 @@ Policies
   of the chosen ops during forward and hands them back instead of running the ops again during the
   recompute. Outputs only needed by ops after the last tensor autograd saved are dropped after forward
   (the recompute stops before them). The forward also records which op made each tensor, and the recompute
-  skips the ops whose outputs lead only to kept ones (they get placeholders that hold no memory): a policy
-  that keeps softmax outputs recomputes no attention scores. (Not under autocast, whose weight-cast cache
+  skips the ops whose outputs lead only to kept ones: they get placeholders (stride 0, no memory; with the
+  forward's strides where a view reads them, since ``reshape`` and ``F.linear`` pick their ops from strides),
+  and kept outputs that nothing in the recompute reads are freed after forward. So a policy that keeps
+  softmax outputs recomputes no attention scores, and one that keeps the contiguous copies of q, k and v
+  needs neither the qkv matmul nor its output. A recompute that branches on a placeholder (runs other ops
+  than the forward) warns and runs again without skipping. (Not under autocast, whose weight-cast cache
   can make the recompute run fewer ops than the forward.)
 - a callable ``policy(op, *args, **kwargs) -> bool``: True to keep that op's output. ``op`` is an
   ``torch._ops.OpOverload`` (e.g. ``torch.ops.aten.mm.default``), args are its (autograd-free) tensors
