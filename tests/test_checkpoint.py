@@ -451,16 +451,24 @@ class MathAttentionBlock(nn.Module):
         return x + self.proj((probs @ v).transpose(1, 2).reshape(B, T, C))
 
 
-def test_selective_recomputes_attention_scores():
-    """q @ k^T (T*T per head from two T*hd factors) is recomputed, probs @ v and the linears are kept."""
+def math_block_step(policy):
+    """One training step of a MathAttentionBlock (T=16 > 2 * head dim 4), unwrapped and checkpointed with
+    ``policy`` (same seeds): (the checkpoint's frame, its step's results, the unwrapped step's results)."""
     torch.manual_seed(0)
-    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)  # T=16 > 2 * head dim 4
+    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
     want = train_step(block, block, x)
     with ckpt._capture_frames() as frames:
-        got = train_step(lambda t: fl.checkpoint(block, t, policy="selective"), block, x)
-    kept = [e[0]._schema.name for e in frames[0].cache]
+        got = train_step(lambda t: fl.checkpoint(block, t, policy=policy), block, x)
+    return frames[0], got, want
+
+
+def test_selective_recomputes_attention_scores():
+    """q @ k^T (T*T per head from two T*hd factors) is recomputed, probs @ v and the linears are kept."""
+    frame, got, want = math_block_step("selective")
+    kept = [e[0]._schema.name for e in frame.cache]
     assert kept == ["aten::addmm", "aten::bmm"]  # qkv and probs @ v (proj's output is not needed: dropped)
-    assert frames[0].cache[1][1].shape == (2 * 2, 16, 4)
+    assert frame.cache[1][1].shape == (2 * 2, 16, 4)
+    assert not frame.skippable  # the default policy recomputes the scores (Megatron-LM's choice): nothing to skip
     assert_equal_lists(got[1], want[1])  # bitwise, dropout on the recomputed probabilities included
     assert torch.equal(got[2], want[2])
 
@@ -473,23 +481,13 @@ def keep_probabilities(op, *args, **kwargs):
 def test_selective_skips_ops_that_only_lead_to_kept_ones():
     """With the softmax outputs kept, the recompute skips q @ k^T and its scaling (they only feed the kept softmax):
     their outputs become placeholders that hold no memory, and gradients stay bitwise equal, dropout included."""
-    torch.manual_seed(0)
-    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
-    want = train_step(block, block, x)
-    with ckpt._capture_frames() as frames:
-        got = train_step(lambda t: fl.checkpoint(block, t, policy=keep_probabilities), block, x)
-    frame = frames[0]
+    frame, got, want = math_block_step(keep_probabilities)
     assert [e[0]._schema.name for e in frame.cache] == ["aten::addmm", "aten::_softmax", "aten::bmm"]
     skipped = sorted(frame.ops[i].op._schema.name for i in frame.skippable)
     assert skipped == ["aten::_unsafe_view", "aten::bmm", "aten::mul"], skipped  # the scores (matmul) and scaling
     assert frame.ops[min(frame.skippable)].placeholder().stride() == (0, 0, 0)
     assert_equal_lists(got[1], want[1])
     assert torch.equal(got[2], want[2])
-
-    # the default policy recomputes the scores (Megatron-LM's choice): nothing to skip
-    with ckpt._capture_frames() as frames:
-        train_step(lambda t: fl.checkpoint(block, t, policy="selective"), block, x)
-    assert not frames[0].skippable
 
 
 def keep_probabilities_and_copies(op, *args, **kwargs):
@@ -501,12 +499,7 @@ def test_selective_frees_kept_outputs_the_recompute_does_not_read():
     """With the copies of q, k^T and v kept, nothing in the recompute reads the qkv matmul's output (views run on
     a placeholder with its strides): it is skipped and its kept output freed after forward; so is probs @ v, whose
     copy (the projection's input) is kept. Gradients stay bitwise equal."""
-    torch.manual_seed(0)
-    block, x = MathAttentionBlock(), torch.randn(2, 16, 8, requires_grad=True)
-    want = train_step(block, block, x)
-    with ckpt._capture_frames() as frames:
-        got = train_step(lambda t: fl.checkpoint(block, t, policy=keep_probabilities_and_copies), block, x)
-    frame = frames[0]
+    frame, got, want = math_block_step(keep_probabilities_and_copies)
     held = [e[0]._schema.name for e in frame.cache if e is not None]
     assert held == ["aten::clone", "aten::clone", "aten::_softmax", "aten::clone", "aten::clone"], held
     skipped = [frame.ops[i] for i in sorted(frame.skippable)]
