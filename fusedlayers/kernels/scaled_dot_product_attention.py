@@ -152,6 +152,20 @@ def _masked_scores(
 
 
 @triton.jit
+def _key_range(S, m0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_hi, hi) for the query block starting at row m0: key blocks [0, full_hi) need no bounds check and
+    (causal) lie wholly left of the diagonal; [full_hi, hi) are the diagonal blocks and/or the ragged tail of S."""
+    s_even = (S // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        full_hi = tl.minimum((m0 // BLOCK_N) * BLOCK_N, s_even)
+        hi = tl.minimum(S, m0 + BLOCK_M)
+    else:
+        full_hi = s_even
+        hi = S
+    return full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
@@ -233,15 +247,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # key blocks [0, full_hi) need no bounds check and (causal) lie wholly left of the diagonal;
-    # [full_hi, hi) are the diagonal blocks and/or the ragged tail of S.
-    s_even = (S // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        hi = tl.minimum(S, m0 + BLOCK_M)
-        full_hi = tl.minimum((m0 // BLOCK_N) * BLOCK_N, s_even)
-    else:
-        hi = S
-        full_hi = s_even
+    full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, 0, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
@@ -513,13 +519,7 @@ def _attn_bwd_dq_kernel(
     mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    s_even = (S // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        hi = tl.minimum(S, m0 + BLOCK_M)
-        full_hi = tl.minimum((m0 // BLOCK_N) * BLOCK_N, s_even)
-    else:
-        hi = S
-        full_hi = s_even
+    full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, mask_base, 0, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
