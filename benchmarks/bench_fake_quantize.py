@@ -153,12 +153,13 @@ def bench(copy_bw_of) -> list[dict]:
     s_l = scale.clone().requires_grad_()
     z_l = zp.float().requires_grad_()
     stock_l = lambda x, s, z: torch._fake_quantize_learnable_per_channel_affine(x, s, z, 0, QMIN, QMAX, gf)  # noqa: E731
+    fused_l_api = lambda x, s, z: fl.fake_quantize(x, s, z, QMIN, QMAX, 0, grad_factor=gf)  # noqa: E731
     fused_l = lambda x, s, z: call(fq_ops.fake_quantize, x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
     fused_l_op = lambda x, s, z: torch.ops.fusedlayers.fake_quantize(x, s, z, QMIN, QMAX, 0, 0, gf)[0]  # noqa: E731
     compiled_l = torch.compile(stock_l, **COMPILE)
     case = "learnable per-channel int8 fwd+bwd"
-    for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (no arg checks)", fused_l),
-                    ("fused (dispatcher op)", fused_l_op)):
+    for impl, f in (("torch eager", stock_l), ("torch.compile", compiled_l), ("fused (fl.fake_quantize)", fused_l_api),
+                    ("fused (no arg checks)", fused_l), ("fused (dispatcher op)", fused_l_op)):
         add(case, impl, grad_of(f, wr, g, s_l, z_l), lsq_bytes)
     if not DRY_RUN:
         for impl, f in (("torch eager, GPU kernel time", stock_l), ("fused, GPU kernel time", fused_l)):
@@ -306,8 +307,8 @@ def main() -> None:
         "'TB/s (fused bytes)' is the fused kernels' traffic for the case (8.125 B/element forward: x, y and a "
         "mask bit; 16.25 B/element forward+backward with the straight-through gradient, 20.125 with LSQ's) / that "
         "row's time, 'of copy' the same as a fraction of the copy; 'fused speed-up' = "
-        "row time / fastest fused time. 'fl.fake_quantize' includes its argument checks (a host sync on the "
-        "qparams, as torch's own per-channel op does); '(no arg checks)' is the same call after the checks "
+        "row time / fastest fused time. 'fl.fake_quantize' is the public call with its argument checks (the qparam "
+        "values checked once per tensor version, no sync after that); '(no arg checks)' is the same call after the checks "
         "(the op's body under its autograd, what FakeQuantLinear does); '(dispatcher op)' calls "
         "torch.ops.fusedlayers directly (what torch.compile sees); ', GPU kernel time' rows are the same "
         "forward+backward timed as the sum of its "
