@@ -75,7 +75,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -145,7 +145,7 @@ def is_expensive_op(op) -> bool:
     return False
 
 
-_BATCHED_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
+_BMM, _BADDBMM = torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default
 
 
 def _attention_scores(op, args) -> bool:
@@ -153,34 +153,39 @@ def _attention_scores(op, args) -> bool:
     head from two s*d factors). Cheap to recompute for the memory they take; selective recomputes them (with
     the softmax and dropout after them), as Megatron-LM's selective recomputation does. Linear layers run
     ``mm`` / ``addmm`` and are always kept."""
-    if op not in _BATCHED_MATMULS:
+    if op is not _BMM and op is not _BADDBMM:
         return False
     a, b = args[-2], args[-1]  # bmm(a, b); baddbmm(input, a, b)
     return a.shape[1] * b.shape[2] > a.shape[2] * (a.shape[1] + b.shape[2])
 
 
-@functools.cache
+class _OpTraits(NamedTuple):
+    keepable: bool  # its outputs can be handed back from a cache: it neither returns views nor mutates
+    uses_rng: bool
+    for_effect: bool  # runs in the recompute whatever its outputs feed: draws random numbers or mutates
+    selective: bool  # kept by policy="selective" (attention scores aside)
+
+
+_traits_by_id: dict[int, tuple] = {}
+
+
+def _traits(op) -> _OpTraits:
+    """What the selective mode needs to know about an op, read from its schema once. Keyed by id: this runs for
+    every op a selective checkpoint dispatches, and reading ``op._schema`` or hashing an OpOverload (a Python
+    ``__hash__``) costs about a microsecond each."""
+    entry = _traits_by_id.get(id(op))
+    if entry is None or entry[0] is not op:
+        schema = op._schema
+        keepable = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+        uses_rng = op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
+        entry = _traits_by_id[id(op)] = (op, _OpTraits(keepable, uses_rng, uses_rng or schema.is_mutable,
+                                                       keepable and is_expensive_op(op)))
+    return entry[1]
+
+
 def _keepable(op) -> bool:
     """Outputs of views and of ops that mutate an argument cannot be handed back from a cache."""
-    schema = op._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
-
-
-@functools.cache
-def _may_use_rng(op) -> bool:
-    return op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
-
-
-@functools.cache
-def _runs_for_effect(op) -> bool:
-    """Ops that must run in the recompute whatever their outputs are used for: they draw random numbers
-    (skipping them would shift the RNG stream) or mutate an argument."""
-    return _may_use_rng(op) or op._schema.is_mutable
-
-
-@functools.cache
-def _default_decision(op) -> bool:
-    return _keepable(op) and is_expensive_op(op)
+    return _traits(op).keepable
 
 
 def _detach(x):
@@ -380,7 +385,7 @@ class _SelectiveMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if keep:
             rng = None
-            if frame.preserve_rng_state and _may_use_rng(func):
+            if frame.preserve_rng_state and _traits(func).uses_rng:
                 rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
             kept = tree_map(_detach, out)
             frame.cache.append((func, kept, rng, _versions(kept)))
@@ -438,9 +443,10 @@ class _OpRecord:
         self.inputs = inputs  # indices of the ops that made its tensor arguments
         self.kind = type(out)  # a tensor, or a tuple / list of them
         leaves = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else []
-        self.must_run = _runs_for_effect(op) or not leaves or not all(isinstance(t, Tensor) for t in leaves)
+        traits = _traits(op)
+        self.must_run = traits.for_effect or not leaves or not all(isinstance(t, Tensor) for t in leaves)
         # Views always run (they cost nothing and must alias), on a placeholder if what they view was skipped.
-        self.is_view = not _keepable(op) and not self.must_run
+        self.is_view = not traits.keepable and not self.must_run
         self.feeds_view = False  # set when a view reads an output: its placeholder then needs the real strides
         self.outputs = [] if self.must_run else [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
@@ -501,8 +507,8 @@ class _Frame:
 
     def keeps(self, op, args, kwargs) -> bool:
         if self.policy == "selective":
-            return _default_decision(op) and not _attention_scores(op, args)
-        return _keepable(op) and bool(self.policy(op, *args, **kwargs))
+            return _traits(op).selective and not _attention_scores(op, args)
+        return _traits(op).keepable and bool(self.policy(op, *args, **kwargs))
 
     # --------------------------------------------------------------- forward
 
