@@ -485,21 +485,23 @@ def test_triton_kernels_negative_scale(dtype):
     check_parity(q, k, v, None, False, scale=-0.7, backend="triton")
 
 
+def causal_gqa_dropout(q, k, v, mask, grad, seed: int, backend: str):
+    """Causal attention with grouped K/V heads, ``mask`` and dropout 0.3 drawn from ``seed``, on ``backend``:
+    (output, gradients) as run_with_grads returns them."""
+    def f(q_, k_, v_, m_):
+        torch.manual_seed(seed)
+        return fl.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, dropout_p=0.3, is_causal=True,
+                                               enable_gqa=True)
+    return run_with_grads(f, q, k, v, mask, grad, backend)
+
+
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 def test_triton_kernels_match_reference_with_dropout():
     """The kernels' dropout mask is the reference's (same Philox), so the two paths agree."""
     q, k, v, m = make_inputs(1, 4, 2, 35, 41, 32, 32, torch.float32, mask="float", mask_grad=True)
     grad = torch.randn(1, 4, 35, 32)
-
-    def run(backend):
-        def f(q_, k_, v_, m_):
-            torch.manual_seed(1)
-            return fl.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, dropout_p=0.3, is_causal=True,
-                                                   enable_gqa=True)
-        return run_with_grads(f, q, k, v, m, grad, backend)
-
-    out_t, g_t = run("triton")
-    out_r, g_r = run("reference")
+    out_t, g_t = causal_gqa_dropout(q, k, v, m, grad, seed=1, backend="triton")
+    out_r, g_r = causal_gqa_dropout(q, k, v, m, grad, seed=1, backend="reference")
     torch.testing.assert_close(out_t, out_r, atol=2e-6, rtol=1e-5)
     for a, b in zip(g_t, g_r, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -598,20 +600,12 @@ def test_cuda_dropout():
     # kernels and reference draw the same mask
     q, k, v, m = make_inputs(1, 4, 2, 100, 140, 64, 64, torch.float32, device="cuda", mask="bool")
     grad = torch.randn(1, 4, 100, 64, device="cuda")
-
-    def run(backend):
-        def f(q_, k_, v_, m_):
-            torch.manual_seed(4)
-            return fl.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, dropout_p=0.3, is_causal=True,
-                                                   enable_gqa=True)
-        return run_with_grads(f, q, k, v, m, grad, backend)
-
-    out_t, g_t = run("auto")
-    out_r, g_r = run("reference")
+    out_t, g_t = causal_gqa_dropout(q, k, v, m, grad, seed=4, backend="auto")
+    out_r, g_r = causal_gqa_dropout(q, k, v, m, grad, seed=4, backend="reference")
     torch.testing.assert_close(out_t, out_r, atol=1e-5, rtol=1e-4)
     for a, b in zip(g_t, g_r, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    out_t2, _ = run("auto")
+    out_t2, _ = causal_gqa_dropout(q, k, v, m, grad, seed=4, backend="auto")
     assert torch.equal(out_t, out_t2)
 
 
