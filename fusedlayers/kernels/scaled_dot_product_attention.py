@@ -152,6 +152,18 @@ def _masked_scores(
 
 
 @triton.jit
+def _query_block(H, GROUP, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's (batch * head, batch, head, K/V head, first query row). Programs along axis 0 take query
+    blocks, causal ones longest rows first (better balance across the last wave); axis 1 is batch * head."""
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    h = bh % H
+    return bh, bh // H, h, h // GROUP, pid_m * BLOCK_M
+
+
+@triton.jit
 def _key_range(S, m0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(full_hi, hi) for the query block starting at row m0: key blocks [0, full_hi) need no bounds check and
     (causal) lie wholly left of the diagonal; [full_hi, hi) are the diagonal blocks and/or the ragged tail of S."""
@@ -223,14 +235,7 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, FAST_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # the longest rows first: better balance across the last wave
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
+    bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -493,14 +498,7 @@ def _attn_bwd_dq_kernel(
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
+    bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
