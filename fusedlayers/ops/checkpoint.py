@@ -605,9 +605,8 @@ class _Frame:
     def recompute(self) -> dict[int, Tensor]:
         """Run the function again; return {slot: tensor} for the handles still alive."""
         wanted = {i for i, ref in enumerate(self.handles) if ref() is not None}
-        store: dict[int, Tensor] = {}
         if not wanted:
-            return store
+            return {}
         saved = self.input_saver.grad_fn.saved_tensors  # unpacks through an outer checkpoint when nested
         tensors = iter(t.detach().requires_grad_(rg) if rg else t.detach()
                        for t, rg in zip(saved, self.requires_grad, strict=True))
