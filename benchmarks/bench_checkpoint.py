@@ -142,6 +142,8 @@ VARIANTS = {
     "fl keep-probs": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities),
     "fl probs+copies": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities_and_copies),
 }
+SELECTIVE = ("fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies")  # judged against torch SAC
+PEERS = {"fl full": "torch"} | dict.fromkeys(SELECTIVE, "torch SAC")
 
 
 def build(name: str, p: float, shape: tuple[int, int, int, int] | None = None):
@@ -198,7 +200,7 @@ def gradient_check(p: float) -> list[str]:
 
     ref = grads("none")
     lines = [f"none vs none (run-to-run): {(grads('none') - ref).abs().max().item():.3e}"]
-    for name in ("fl full", "fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies"):
+    for name in ("fl full", *SELECTIVE):
         lines.append(f"{name} vs none: {(grads(name) - ref).abs().max().item():.3e}")
     torch.cuda.empty_cache()
     return lines
@@ -225,8 +227,6 @@ def table(rows: list[dict], p: float) -> str:
     sbh = T * B * D
     formula = sbh * (34 + 5 * HEADS * T / D)
     none = next(r for r in rows if r["name"] == "none")
-    peers = {"fl full": "torch", "fl selective": "torch SAC", "fl wide-mm": "torch SAC", "fl keep-probs": "torch SAC",
-             "fl probs+copies": "torch SAC"}
     out = [f"### {ATTENTION} attention, B={B}, dropout {p}\n",
            f"Formula s*b*h*(34 + 5*a*s/h) = {formula / 2**20:.0f} MiB per layer "
            f"(= {formula / sbh:.0f} sbh bytes); 2*s*b*h = {2 * sbh / 2**20:.0f} MiB; "
@@ -235,8 +235,8 @@ def table(rows: list[dict], p: float) -> str:
            "peak MiB/layer | host ms/step (tiny) | vs peer (time, GPU time, act. memory) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        peer = next((q for q in rows if q["name"] == peers.get(r["name"])), None)
-        vs_peer = (f"{peers[r['name']]}: {r['ms'] / peer['ms']:.3f}x time, {r['gpu_ms'] / peer['gpu_ms']:.3f}x GPU, "
+        peer = next((q for q in rows if q["name"] == PEERS.get(r["name"])), None)
+        vs_peer = (f"{PEERS[r['name']]}: {r['ms'] / peer['ms']:.3f}x time, {r['gpu_ms'] / peer['gpu_ms']:.3f}x GPU, "
                    f"{r['stored'] / peer['stored']:.3f}x mem" if peer else "")
         out.append(f"| {r['name']} | {r['ms']:.2f} | {r['ms'] / none['ms'] - 1:+.1%} | {r['gpu_ms']:.2f} | "
                    f"{r['gpu_ms'] / none['gpu_ms'] - 1:+.1%} | {r['stored'] / 2**20:.1f} | "
@@ -260,7 +260,7 @@ def targets(rows: list[dict]) -> str:
             f"step overhead {over['fl full']:+.1%} vs torch's {over['torch']:+.1%} (target: no larger): "
             f"{verdict(over['fl full'] <= over['torch'])}; in GPU time {gpu['fl full']:+.1%} vs {gpu['torch']:+.1%}: "
             f"{verdict(gpu['fl full'] <= gpu['torch'])}")
-    for name in ("fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies"):
+    for name in SELECTIVE:
         if name in r:
             saved = 1 - r[name]["stored"] / r["none"]["stored"]
             lines.append(f"- {name}: activation memory {saved:.1%} less than none (target >= 50%): "
