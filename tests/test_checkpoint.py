@@ -11,7 +11,6 @@ import faulthandler
 import gc
 import os
 import time
-import warnings
 import weakref
 
 import pytest
@@ -191,8 +190,9 @@ def test_nested_checkpoints(outer, inner):
         got = run(lambda t: fl.checkpoint(nested, t, policy=outer))
     assert torch.equal(got[0], want[0])
     assert_equal_lists(got[1], want[1])
-    # outer forward, inner forward, inner forward again inside the outer recompute
-    assert len(frames) == 3
+    # outer forward, inner forward, and (full) inner forward again inside the outer recompute; a selective outer
+    # replays its recorded ops instead of calling the function, so the inner checkpoint is not called again
+    assert len(frames) == (3 if outer == "full" else 2)
 
 
 def test_retain_graph_and_second_backward():
@@ -274,11 +274,16 @@ def test_module_state_updated_once(policy, api):
     assert int(net[1].num_batches_tracked) == 2
 
 
-def test_closure_module_state_updated_once():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_closure_module_state_updated_once(policy):
+    """BatchNorm reached through a closure: its running stats are updated by the forward only (a selective replay
+    runs batch_norm on private copies of their pre-forward values)."""
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(5)
     x = torch.randn(7, 5, requires_grad=True)
-    fl.checkpoint(lambda t: bn(t).relu(), x).sum().backward()
+    with ckpt._capture_frames() as frames:
+        fl.checkpoint(lambda t: bn(t).relu(), x, policy=policy).sum().backward()
+    assert (frames[0].tape is not None) == (policy == "selective")
     ref = nn.BatchNorm1d(5)
     ref(x)
     assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
@@ -415,8 +420,9 @@ def test_policy_keeps_and_recomputes_what_it_says(policy):
         y = fl.checkpoint(block, x, policy=policy)
     (frame,) = frames
     assert len(frame.metas) == len(packed)  # handles for every tensor autograd saves, nothing kept
-    kept = [e[0]._schema.name for e in frame.cache]
-    kept_bytes = sum(t.numel() * t.element_size() for _, out, _, _ in frame.cache
+    held = [e for e in frame.cache if e is not None]
+    kept = [e[0]._schema.name for e in held]
+    kept_bytes = sum(t.numel() * t.element_size() for _, out, _, _ in held
                      for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
     with _OpCounter() as counter:
         y.sum().backward()
@@ -463,13 +469,22 @@ def math_block_step(policy):
     return frames[0], got, want
 
 
+def replayed(frame) -> list[str]:
+    """The ops a selective frame's recompute runs again (not handed back from the cache), by name, in order."""
+    tape = frame.tape
+    return [tape.ops[i].op._schema.name.removeprefix("aten::") for i in tape.order
+            if tape.ops[i].kept < 0 or frame.cache[tape.ops[i].kept] is None]
+
+
 def test_selective_recomputes_attention_scores():
     """q @ k^T (T*T per head from two T*hd factors) is recomputed, probs @ v and the linears are kept."""
     frame, got, want = math_block_step("selective")
-    kept = [e[0]._schema.name for e in frame.cache]
-    assert kept == ["aten::addmm", "aten::bmm"]  # qkv and probs @ v (proj's output is not needed: dropped)
-    assert frame.cache[1][1].shape == (2 * 2, 16, 4)
-    assert not frame.skippable  # the default policy recomputes the scores (Megatron-LM's choice): nothing to skip
+    held = [e for e in frame.cache if e is not None]
+    assert [e[0]._schema.name for e in held] == ["aten::addmm", "aten::bmm"]  # qkv and probs @ v
+    assert held[1][1].shape == (2 * 2, 16, 4)
+    assert frame.cache[-1] is None  # proj's output: nothing the recompute runs reads it, freed after forward
+    ops = replayed(frame)
+    assert ops.count("bmm") == 1 and "_softmax" in ops and "addmm" not in ops  # the scores, not probs @ v
     assert_equal_lists(got[1], want[1])  # bitwise, dropout on the recomputed probabilities included
     assert torch.equal(got[2], want[2])
 
@@ -479,14 +494,15 @@ def keep_probabilities(op, *args, **kwargs):
     return op is aten._softmax.default or (ckpt.is_expensive_op(op) and not ckpt._attention_scores(op, args))
 
 
-def test_selective_skips_ops_that_only_lead_to_kept_ones():
-    """With the softmax outputs kept, the recompute skips q @ k^T and its scaling (they only feed the kept softmax):
-    their outputs become placeholders that hold no memory, and gradients stay bitwise equal, dropout included."""
+def test_selective_replays_only_what_leads_to_saved_tensors():
+    """With the softmax outputs kept, the recompute does not run q @ k^T and its scaling (they only lead to the kept
+    softmax): it replays the recorded ops that lead to what backward needs, and gradients stay bitwise equal,
+    dropout included (its random ops always replay, in order)."""
     frame, got, want = math_block_step(keep_probabilities)
-    assert [e[0]._schema.name for e in frame.cache] == ["aten::addmm", "aten::_softmax", "aten::bmm"]
-    skipped = sorted(frame.ops[i].op._schema.name for i in frame.skippable)
-    assert skipped == ["aten::_unsafe_view", "aten::bmm", "aten::mul"], skipped  # the scores (matmul) and scaling
-    assert frame.ops[min(frame.skippable)].placeholder().stride() == (0, 0, 0)
+    assert [e[0]._schema.name for e in frame.cache if e is not None] == ["aten::addmm", "aten::_softmax", "aten::bmm"]
+    ops = replayed(frame)
+    assert "bmm" not in ops and "_softmax" not in ops and "addmm" not in ops
+    assert ops.count("mul") == 1 and "bernoulli_" in ops  # the dropout's; the scaling of the scores is not rerun
     assert_equal_lists(got[1], want[1])
     assert torch.equal(got[2], want[2])
 
@@ -497,49 +513,73 @@ def keep_probabilities_and_copies(op, *args, **kwargs):
 
 
 def test_selective_frees_kept_outputs_the_recompute_does_not_read():
-    """With the copies of q, k^T and v kept, nothing in the recompute reads the qkv matmul's output (views run on
-    a placeholder with its strides): it is skipped and its kept output freed after forward; so is probs @ v, whose
-    copy (the projection's input) is kept. Gradients stay bitwise equal."""
+    """With the copies of q, k^T and v kept, nothing in the recompute reads the qkv matmul's output: it is not run
+    and its kept output is freed after forward; so is probs @ v, whose copy (the projection's input) is kept. The
+    recompute is left with views and the dropout. Gradients stay bitwise equal."""
     frame, got, want = math_block_step(keep_probabilities_and_copies)
     held = [e[0]._schema.name for e in frame.cache if e is not None]
     assert held == ["aten::clone", "aten::clone", "aten::_softmax", "aten::clone", "aten::clone"], held
-    skipped = [frame.ops[i] for i in sorted(frame.skippable)]
-    assert [r.op._schema.name for r in skipped if r.kept] == ["aten::addmm", "aten::bmm"]
-    qkv = skipped[0]
-    assert qkv.op is aten.addmm.default and qkv.feeds_view  # linear's view reads it: a strided placeholder
-    assert qkv.placeholder().stride() == (24, 1)
+    assert len(frame.cache) == len(held) + 3  # qkv, probs @ v and proj: freed
+    assert set(replayed(frame)) == {"view", "t", "_unsafe_view", "expand", "empty_like", "bernoulli_", "div_", "mul"}
     assert_equal_lists(got[1], want[1])
     assert torch.equal(got[2], want[2])
 
 
-def test_skipping_falls_back_when_the_recompute_branches_on_a_placeholder():
-    """Code that branches on the layout of a skipped op's output sees a placeholder in the recompute and runs
-    other ops: the recompute says so in a warning and runs again without skipping; gradients stay exact."""
+def test_selective_replays_what_the_forward_ran():
+    """The recompute replays the forward's recorded ops: a function that would run other ops when called again
+    (here a different slice; full raises CheckpointError for it) still gets the forward's gradients."""
+    calls = []
+
     def fn(t):
-        h = t + 1  # only leads to the kept mul: skipped, a stride-0 placeholder in the recompute
-        y = h * 2 if h.is_contiguous() else (h + 0) * 2
-        return y.sin()
+        calls.append(1)
+        return (t[: 4 - len(calls)] * 2).sin().sum()
 
-    def keep_mul(op, *args, **kwargs):
-        return op.overloadpacket is aten.mul
+    x = torch.randn(4, requires_grad=True)
+    want = torch.autograd.grad((x[:3] * 2).sin().sum(), x)[0]
+    got = torch.autograd.grad(fl.checkpoint(fn, x, policy="selective"), x)[0]
+    assert torch.equal(got, want) and len(calls) == 1
 
-    x = torch.randn(4, 5, requires_grad=True)
+
+class _WrittenOutsideTheDispatcher(torch.autograd.Function):
+    """Doubles its input, writing the result the way a custom kernel launch does: into a tensor it allocated, out of
+    sight of dispatch modes. Its backward reads that saved result."""
+
+    @staticmethod
+    def forward(ctx, t):
+        out = torch.empty_like(t)
+        with torch._C._DisableTorchDispatch():
+            out.copy_(t * 2)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+def test_selective_runs_the_function_again_when_it_computes_outside_the_dispatcher():
+    """A replay of the recorded ops would leave such an output unwritten (``empty_like`` only): the forward sees
+    aten ops run with grad mode off (an autograd.Function's forward), drops the tape, and the recompute calls the
+    function again. Gradients stay exact."""
+    def fn(t):
+        return _WrittenOutsideTheDispatcher.apply(t.sin()).exp()
+
+    x = torch.randn(6, requires_grad=True)
     want = torch.autograd.grad(fn(x).sum(), x)[0]
-    with ckpt._capture_frames() as frames:
-        y = fl.checkpoint(fn, x, policy=keep_mul)
-    assert [frames[0].ops[i].op for i in frames[0].skippable] == [aten.add.Tensor]
-    with pytest.warns(UserWarning, match="without skipping"):
-        got = torch.autograd.grad(y.sum(), x)[0]
-    assert torch.equal(got, want)
-    assert not frames[0].skippable
+    for policy in ("selective", lambda op, *args, **kwargs: True):
+        with ckpt._capture_frames() as frames:
+            y = fl.checkpoint(fn, x, policy=policy)
+        assert frames[0].tape is None
+        assert torch.equal(torch.autograd.grad(y.sum(), x)[0], want)
 
 
 @pytest.mark.parametrize("attention,position", [("stock", "learned"), ("sdpa", "rotary"), ("custom", "rotary")])
-def test_skipping_on_the_project_gpt(attention, position):
+def test_selective_replay_on_the_project_gpt(attention, position):
     """The project's GPT blocks (each attention and position kind, dropout) checkpointed with a policy that keeps
-    the copies autograd saves, the softmax outputs and the matmuls: the recompute skips ops (placeholders read by
-    views and composites such as rotary's) without running other ops than the forward (no fallback warning), and
-    the gradients are bitwise those of the unwrapped model."""
+    the copies autograd saves, the softmax outputs and the matmuls: every block's recompute is a replay of its
+    recorded ops (nothing in them computes outside the dispatcher), and the gradients are bitwise those of the
+    unwrapped model."""
     from models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -560,12 +600,11 @@ def test_skipping_on_the_project_gpt(attention, position):
         return [p.grad for p in model.parameters()]
 
     want = grads(lambda forward: forward)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the fallback (a skip that changed the op sequence) warns
-        with ckpt._capture_frames() as frames:
-            got = grads(lambda forward: lambda *a: fl.checkpoint(forward, *a, policy=keep_probabilities_and_copies))
-    if attention == "stock":  # written-out attention: its scores (before the kept softmax) skipped in every block
-        assert len(frames) == cfg.n_layer and all(frame.skippable for frame in frames)
+    with ckpt._capture_frames() as frames:
+        got = grads(lambda forward: lambda *a: fl.checkpoint(forward, *a, policy=keep_probabilities_and_copies))
+    assert len(frames) == cfg.n_layer and all(frame.tape is not None for frame in frames)
+    if attention == "stock":  # written-out attention: its scores (before the kept softmax) are not rerun
+        assert all("bmm" not in replayed(frame) and "_softmax" not in replayed(frame) for frame in frames)
     assert_equal_lists(got, want)
 
 
@@ -845,8 +884,8 @@ def test_cuda_selective_skips_scores_with_kept_probabilities():
 
     with ckpt._capture_frames() as frames:
         got = run(lambda t: fl.checkpoint(block, t, policy=keep_probabilities))
-    assert sorted(frames[0].ops[i].op._schema.name for i in frames[0].skippable) == [
-        "aten::_unsafe_view", "aten::bmm", "aten::mul"]
+    assert frames[0].tape is not None
+    assert "bmm" not in replayed(frames[0]) and "_softmax" not in replayed(frames[0])
     want, again = run(block), run(block)
     assert torch.equal(got[0], want[0])
     for g, w, a in zip(got[1], want[1], again[1], strict=True):

@@ -47,21 +47,25 @@ Policies
   (norms, activations, dropout, elementwise, copies), as selective activation recomputation in Megatron-LM
   and torch's SAC do. One exception, Megatron-LM's: attention written out as matmuls (``softmax(q @ k^T) @
   v``) has its scores recomputed, not kept: a batched matmul whose output is larger than its factors costs
-  little compute for the (s*s per head) memory it would hold. A ``TorchDispatchMode`` records the outputs
-  of the chosen ops during forward and hands them back instead of running the ops again during the
-  recompute. Outputs only needed by ops after the last tensor autograd saved are dropped after forward
-  (the recompute stops before them). The forward also records which op made each tensor, and the recompute
-  skips the ops whose outputs lead only to kept ones: they get placeholders (stride 0, no memory; with the
-  forward's strides where a view reads them, since ``reshape`` and ``F.linear`` pick their ops from strides),
-  and kept outputs that nothing in the recompute reads are freed after forward. So a policy that keeps
-  softmax outputs recomputes no attention scores, and one that keeps the contiguous copies of q, k and v
-  needs neither the qkv matmul nor its output. A recompute that branches on a placeholder (runs other ops
-  than the forward) warns and runs again without skipping. (Not under autocast, whose weight-cast cache
-  can make the recompute run fewer ops than the forward.)
+  little compute for the (s*s per head) memory it would hold.
+
+  The recompute does not call the function again: a ``TorchDispatchMode`` records every aten-level op the
+  forward runs (op, arguments, which earlier op made each tensor argument: a tape; the tensors themselves are
+  not held) and keeps the chosen ops' outputs. After forward the tape is cut to the ops whose outputs lead to
+  a tensor autograd saved, except through kept ops, plus the random and mutating ops (to draw the same
+  numbers); kept outputs nothing on it reads are freed. The recompute runs those ops, in order, under
+  no_grad: no Python of the function, no autograd recording, no op whose outputs only lead to kept ones. So a
+  policy that keeps softmax outputs recomputes no attention scores, and one that keeps the contiguous copies
+  of q, k and v needs neither the qkv matmul nor its output. The host time this saves matters: a selective
+  step is otherwise bound by the CPU (a dispatch mode costs microseconds per op). Module buffers the ops read
+  are replaced by private copies of their pre-forward values (BatchNorm's stats are updated once). The one
+  case a tape cannot cover, computation outside the dispatcher (an autograd.Function launching its own
+  kernels, as Liger-Kernel's do), is detected by its aten ops running with grad mode off; the recompute then
+  calls the function again as ``full`` does, handing the kept outputs back in order.
 - a callable ``policy(op, *args, **kwargs) -> bool``: True to keep that op's output. ``op`` is an
   ``torch._ops.OpOverload`` (e.g. ``torch.ops.aten.mm.default``), args are its (autograd-free) tensors
-  and values. It is called in forward and again, with the same arguments, in the recompute, and must
-  answer the same both times. Views and in-place/mutating ops are never kept (the recompute must create
+  and values. It is called in forward (and again in the recompute when the function is called again), and
+  must answer the same both times. Views and in-place/mutating ops are never kept (the recompute must create
   them itself); a kept op that consumed random numbers moves the RNG to where the forward left it.
 """
 
@@ -72,7 +76,6 @@ import functools
 import inspect
 import threading
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -110,11 +113,6 @@ def _recomputing():
 
 class _StopRecompute(Exception):
     """Raised from the recompute's pack hook once the last tensor still needed exists."""
-
-
-class _SkipMismatch(CheckpointError):
-    """The recompute, skipping ops, ran other ops than the forward (code that branches on an output's layout or
-    values): it is run again without skipping."""
 
 
 # ----------------------------------------------------------------------------- the selective policy
@@ -162,8 +160,9 @@ def _attention_scores(op, args) -> bool:
 class _OpTraits(NamedTuple):
     keepable: bool  # its outputs can be handed back from a cache: it neither returns views nor mutates
     uses_rng: bool
-    for_effect: bool  # runs in the recompute whatever its outputs feed: draws random numbers or mutates
+    for_effect: bool  # the replay runs it whatever its outputs feed: it draws random numbers or mutates
     selective: bool  # kept by policy="selective" (attention scores aside)
+    aten: bool
 
 
 _traits_by_id: dict[int, tuple] = {}
@@ -179,7 +178,7 @@ def _traits(op) -> _OpTraits:
         keepable = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
         uses_rng = op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
         entry = _traits_by_id[id(op)] = (op, _OpTraits(keepable, uses_rng, uses_rng or schema.is_mutable,
-                                                       keepable and is_expensive_op(op)))
+                                                       keepable and is_expensive_op(op), op.namespace == "aten"))
     return entry[1]
 
 
@@ -294,6 +293,7 @@ class _BufferGuard:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.entries: list[tuple[dict, str, Tensor]] = []
+        self.index: dict[int, int] = {}  # id(buffer) -> its entry (the tape refers to buffers by entry)
         seen: set[tuple[int, str]] = set()
         with torch.no_grad():
             for root in modules:
@@ -302,6 +302,7 @@ class _BufferGuard:
                         if buf is None or (id(module), name) in seen:
                             continue
                         seen.add((id(module), name))
+                        self.index.setdefault(id(buf), len(self.entries))
                         self.entries.append((module._buffers, name, buf.clone()))
 
     @contextlib.contextmanager
@@ -325,9 +326,9 @@ class _BufferGuard:
 
 
 class _SelectiveMode(TorchDispatchMode):
-    """Forward: run every op, keep the outputs of those the policy keeps, and record which op made each
-    tensor. Recompute (``replay``): hand the kept outputs back instead of running their ops, and skip the
-    ops that only lead to kept ones (see ``_Frame.find_skippable``)."""
+    """Forward: run every op, keep the outputs of those the policy keeps, and record every op on the frame's tape.
+    ``rerun=True`` (the recompute when the tape cannot stand in for the function): hand the kept outputs back, in
+    the forward's order, instead of running their ops."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -335,63 +336,49 @@ class _SelectiveMode(TorchDispatchMode):
         # never runs here anyway: checkpoint() is compiler-disabled and the recompute runs in backward.
         return False
 
-    def __init__(self, frame: _Frame, replay: bool) -> None:
+    def __init__(self, frame: _Frame, rerun: bool = False) -> None:
         super().__init__()
         self.frame = frame
-        self.replay = replay
-        self.kept = 0  # ops kept (forward) or handed back (recompute) so far
-        self.ran = 0  # ops dispatched so far
+        self.rerun = rerun
+        self.kept = 0  # ops kept (forward) or handed back (rerun) so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         frame = self.frame
-        op_index = self.ran
-        self.ran += 1
-        if not self.replay:
-            return self._forward(func, args, kwargs, frame.keeps(func, args, kwargs))
-        if frame.skippable:  # skipping relies on the recompute running the forward's ops in the same order
-            if op_index >= len(frame.ops) or frame.ops[op_index].op is not func:
-                ran = frame.ops[op_index].op if op_index < len(frame.ops) else "nothing"
-                raise _SkipMismatch(
-                    f"fl.checkpoint: the recompute, skipping ops whose outputs it does not need, ran {func} as op "
-                    f"#{op_index} where the forward ran {ran} (the function branches on the layout or values of a "
-                    "skipped op's output)")
-            if op_index in frame.skippable:  # (the policy is not asked about placeholders)
-                record = frame.ops[op_index]
-                if record.kept:  # a kept op whose output the recompute does not read (dropped after forward)
-                    self.kept += 1
-                return record.placeholder()
-        if not frame.keeps(func, args, kwargs):
-            return func(*args, **kwargs)
+        traits = _traits(func)
+        keep = frame.keeps(func, traits, args, kwargs)
+        if self.rerun:
+            return self._hand_back(func, args, kwargs) if keep else func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        kept_index = -1
+        if keep:
+            rng = None
+            if frame.preserve_rng_state and traits.uses_rng:
+                rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
+            kept = tree_map(_detach, out)
+            frame.cache.append((func, kept, rng, _versions(kept)))
+            kept_index = self.kept
+            self.kept += 1
+        if frame.tape.unsafe is None:
+            frame.tape.record(func, traits, args, kwargs, out, kept_index)
+        return out
+
+    def _hand_back(self, func, args, kwargs):
         index = self.kept
         self.kept += 1
-        entry = frame.cache[index] if index < len(frame.cache) else None
+        entry = self.frame.cache[index] if index < len(self.frame.cache) else None
         if entry is None:  # dropped after forward: not needed, or changed in place
             return func(*args, **kwargs)
         op, out, rng, versions = entry
         if op is not func:
             raise CheckpointError(
                 f"fl.checkpoint(policy=selective): the recompute ran {func} where the forward ran {op} "
-                f"(kept op #{index}); the function must run the same ops when it is recomputed"
-            )
+                f"(kept op #{index}); the function must run the same ops when it is recomputed")
         if _versions(out) != versions:  # changed in place since (e.g. the caller changed the output)
             return func(*args, **kwargs)
         if rng is not None:
             rng.set()
         return tree_map(_detach, out)
-
-    def _forward(self, func, args, kwargs, keep: bool):
-        frame = self.frame
-        out = func(*args, **kwargs)
-        if keep:
-            rng = None
-            if frame.preserve_rng_state and _traits(func).uses_rng:
-                rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
-            kept = tree_map(_detach, out)
-            frame.cache.append((func, kept, rng, _versions(kept)))
-            self.kept += 1
-        frame.record_op(func, args, kwargs, out, keep)
-        return out
 
 
 def _versions(tree) -> tuple[int, ...]:
@@ -400,6 +387,194 @@ def _versions(tree) -> tuple[int, ...]:
 
 def _tensor_leaves(tree) -> list[Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
+
+
+# ----------------------------------------------------------------------------- the tape (selective)
+
+_OP, _INPUT, _BUFFER, _OUTSIDE = range(4)  # where a tensor an op read comes from
+
+
+class _Ref:
+    """A tensor argument of a recorded op: output ``b`` of op ``a`` (_OP), the call's tensor input ``a`` (_INPUT),
+    the pre-forward copy of guarded buffer ``a`` (_BUFFER), or a tensor from outside (parameters, constants)."""
+
+    __slots__ = ("kind", "a", "b")
+
+    def __init__(self, kind: int, a, b: int = 0) -> None:
+        self.kind, self.a, self.b = kind, a, b
+
+
+class _TapeOp:
+    """One op the forward dispatched: the op, its arguments with tensors replaced by _Refs (no tensor of the forward
+    is held), which ops made them, and its place in the frame's cache when kept."""
+
+    __slots__ = ("op", "args", "kwargs", "inputs", "kept", "must_run")
+
+    def __init__(self, op, traits: _OpTraits, args: list, kwargs: dict, inputs: list[int], kept: int) -> None:
+        self.op, self.args, self.kwargs, self.inputs, self.kept = op, args, kwargs, inputs, kept
+        self.must_run = traits.for_effect  # draws random numbers or mutates: the replay runs it in order
+
+
+class _Tape:
+    """The aten-level ops a selective forward ran, recorded so that the recompute can run just the ones it needs
+    instead of calling the function again: no Python of the function, no autograd recording, and no op whose
+    outputs only lead to kept ones. What an op read is known by tensor identity (``made_by``); the forward's
+    tensors themselves are not held.
+
+    It cannot stand in for the function when the function computes outside the dispatcher, e.g. a custom
+    autograd.Function whose forward launches its own kernels on tensors it allocated (Liger-Kernel's ops): its
+    allocations then show up as aten ops run with grad mode off (autograd.Function runs its forward under no_grad).
+    Such a forward marks the tape ``unsafe`` and the recompute calls the function again (as ``full`` does, handing
+    the kept outputs back). Ops registered with torch.library (ours) are dispatched whole and replay exactly."""
+
+    def __init__(self, inputs: list[Tensor], buffers: _BufferGuard) -> None:
+        self.ops: list[_TapeOp | None] = []
+        self.made_by: dict[int, tuple[weakref.ref, int, int]] = {}  # id(tensor) -> (tensor, op, output index)
+        self.inputs = {id(t): n for n, t in enumerate(inputs)}
+        self.buffers = buffers.index
+        self.slots: list[_Ref] = []  # per tensor autograd saved: where it comes from
+        self.unsafe: str | None = None
+        self.order: list[int] = []  # after forward: the ops the replay visits, in order
+        self.frees: dict[int, list[int]] = {}  # op -> the ops whose outputs are last read by it
+        self.saved_from: dict[int, list[tuple[int, int]]] = {}  # op -> [(slot, output index)]
+
+    # --------------------------------------------------------------- forward
+
+    def ref(self, tensor: Tensor, inputs: list[int] | None = None) -> _Ref:
+        """Where ``tensor`` comes from; the index of the op that made it is appended to ``inputs``."""
+        entry = self.made_by.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            if inputs is not None:
+                inputs.append(entry[1])
+            return _Ref(_OP, entry[1], entry[2])
+        n = self.inputs.get(id(tensor))
+        if n is not None:
+            return _Ref(_INPUT, n)
+        n = self.buffers.get(id(tensor))
+        return _Ref(_BUFFER, n) if n is not None else _Ref(_OUTSIDE, tensor)
+
+    def _args(self, values, inputs: list[int]) -> list:
+        """``values`` with their tensors (also in lists: Tensor[] arguments) replaced by _Refs. (Plain loops: this
+        runs for every op of the forward.)"""
+        stored = []
+        for value in values:
+            if isinstance(value, Tensor):
+                value = self.ref(value, inputs)
+            elif type(value) is list or type(value) is tuple:
+                for x in value:
+                    if isinstance(x, Tensor):
+                        value = type(value)([self.ref(y, inputs) if isinstance(y, Tensor) else y for y in value])
+                        break
+            stored.append(value)
+        return stored
+
+    def record(self, op, traits: _OpTraits, args, kwargs, out, kept: int) -> None:
+        if traits.aten and not torch.is_grad_enabled():
+            self.unsafe = (f"{op} ran with grad mode off inside the function (an autograd.Function's forward, or "
+                           "torch.no_grad): it may compute outside the dispatcher")
+            self.ops, self.made_by = [], {}
+            return
+        inputs: list[int] = []
+        stored_args = self._args(args, inputs)
+        stored_kwargs = dict(zip(kwargs, self._args(kwargs.values(), inputs), strict=True)) if kwargs else kwargs
+        index = len(self.ops)
+        self.ops.append(_TapeOp(op, traits, stored_args, stored_kwargs, inputs, kept))
+        if isinstance(out, Tensor):
+            self.made_by[id(out)] = (weakref.ref(out), index, 0)
+        elif type(out) is tuple or type(out) is list:
+            for k, t in enumerate(out):
+                if isinstance(t, Tensor):
+                    self.made_by[id(t)] = (weakref.ref(t), index, k)
+
+    def finish(self, cache: list, ran_at_pack: int) -> None:
+        """After forward: choose the ops the replay visits (those whose outputs lead to a saved tensor or to an op
+        that must run, except through kept ops, which hand their outputs back without reading their inputs; and
+        kept random ops, to move the RNG), free the kept outputs it does not read, and plan when it frees each op's
+        outputs. E.g. with softmax outputs kept, q @ k^T, its scaling and its mask are never replayed; with the
+        copies of q, k and v kept, neither is the qkv matmul (its kept output is freed now)."""
+        self.made_by = {}
+        ops = self.ops
+
+        def usable(i: int) -> bool:
+            return ops[i].kept >= 0 and cache[ops[i].kept] is not None
+
+        needed: set[int] = set()
+        stack = [ref.a for ref in self.slots if ref.kind == _OP]
+        stack += [i for i in range(min(ran_at_pack, len(ops)))
+                  if ops[i].must_run or (usable(i) and cache[ops[i].kept][2] is not None)]
+        while stack:
+            i = stack.pop()
+            if i in needed:
+                continue
+            needed.add(i)
+            if not usable(i):
+                stack.extend(ops[i].inputs)
+        self.order = sorted(needed)
+        last_read: dict[int, int] = {}
+        for i in self.order:
+            if not usable(i):
+                for j in ops[i].inputs:
+                    last_read[j] = i
+        self.frees = {}
+        for j in self.order:
+            self.frees.setdefault(last_read.get(j, j), []).append(j)
+        self.saved_from = {}
+        for slot, ref in enumerate(self.slots):
+            if ref.kind == _OP:
+                self.saved_from.setdefault(ref.a, []).append((slot, ref.b))
+        for i, record in enumerate(ops):
+            if i not in needed:
+                if record.kept >= 0:
+                    cache[record.kept] = None  # kept, but nothing the replay runs reads it
+                ops[i] = None  # (its arguments may hold tensors from outside)
+
+    # --------------------------------------------------------------- backward
+
+    def replay(self, frame: _Frame, inputs: list[Tensor], wanted: set[int]) -> dict[int, Tensor]:
+        """The tensors of the ``wanted`` slots, by running the planned ops again on the call's inputs."""
+        values: dict[int, list] = {}
+        buffers: dict[int, Tensor] = {}
+
+        def value(ref: _Ref):
+            if ref.kind == _OP:
+                return values[ref.a][ref.b]
+            if ref.kind == _INPUT:
+                return inputs[ref.a]
+            if ref.kind == _BUFFER:  # a private copy of its pre-forward value: module state is updated once
+                if ref.a not in buffers:
+                    buffers[ref.a] = frame.buffers.entries[ref.a][2].clone()
+                return buffers[ref.a]
+            return ref.a
+
+        def resolve(arg):
+            if type(arg) is _Ref:
+                return value(arg)
+            if type(arg) is list or type(arg) is tuple:
+                return type(arg)([value(x) if type(x) is _Ref else x for x in arg])
+            return arg
+
+        store = {slot: value(ref).detach() for slot, ref in enumerate(self.slots)
+                 if slot in wanted and ref.kind != _OP}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_rng_restored(frame.rng))
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch._C._DisableAutocast())  # the recorded ops are autocast's casts already
+            for i in self.order:
+                record = self.ops[i]
+                if record.kept >= 0 and frame.cache[record.kept] is not None:
+                    _, out, rng, _ = frame.cache[record.kept]
+                    if rng is not None:
+                        rng.set()
+                else:
+                    out = record.op(*[resolve(a) for a in record.args],
+                                    **{k: resolve(v) for k, v in record.kwargs.items()})
+                values[i] = [out] if isinstance(out, Tensor) else out
+                for slot, k in self.saved_from.get(i, ()):
+                    if slot in wanted:
+                        store[slot] = values[i][k]
+                for j in self.frees.get(i, ()):
+                    del values[j]
+        return store
 
 
 # ----------------------------------------------------------------------------- the frame of one call
@@ -417,48 +592,6 @@ class _SaveInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # never reached: the output is not used
         return (None,) * (1 + len(ctx.saved_tensors))
-
-
-def _flat_tensors(values) -> list[Tensor]:
-    """The tensors among an op's arguments or outputs: aten ops take and return tensors, scalars and flat lists of
-    them, so one level of nesting is looked into (cheaper than a pytree walk for every op)."""
-    found = []
-    for v in values:
-        if isinstance(v, Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, Tensor))
-    return found
-
-
-class _OpRecord:
-    """One op the forward ran under the selective mode: what the recompute needs to skip it."""
-
-    __slots__ = ("op", "kept", "kept_index", "inputs", "must_run", "is_view", "feeds_view", "outputs", "kind")
-
-    def __init__(self, op, kept: bool, inputs: list[int], out) -> None:
-        self.op = op
-        self.kept = kept
-        self.kept_index = -1  # its place in the frame's cache, when kept
-        self.inputs = inputs  # indices of the ops that made its tensor arguments
-        self.kind = type(out)  # a tensor, or a tuple / list of them
-        leaves = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else []
-        traits = _traits(op)
-        self.must_run = traits.for_effect or not leaves or not all(isinstance(t, Tensor) for t in leaves)
-        # Views always run (they cost nothing and must alias), on a placeholder if what they view was skipped.
-        self.is_view = not traits.keepable and not self.must_run
-        self.feeds_view = False  # set when a view reads an output: its placeholder then needs the real strides
-        self.outputs = [] if self.must_run else [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
-
-    def placeholder(self):
-        """Outputs of the right shapes, dtypes and (where a view reads them) strides, never read: only skipped ops,
-        kept ops and views consume them. Stride 0 (no memory) unless a view reads them: ``view``, ``reshape`` and
-        the composite ops above them (``F.linear``, ``matmul``) choose their aten ops from the strides, and the
-        recompute must run the forward's ops (an uninitialised tensor: memory held only while the recompute runs)."""
-        leaves = [torch.empty_strided(shape, stride, dtype=dtype, device=device) if self.feeds_view
-                  else torch.empty((), dtype=dtype, device=device).expand(shape)
-                  for shape, stride, dtype, device in self.outputs]
-        return leaves[0] if issubclass(self.kind, Tensor) else self.kind(leaves)
 
 
 class _Handle:
@@ -495,20 +628,17 @@ class _Frame:
         self.handles: list[weakref.ref] = []
         self.cache: list = []  # selective, per kept op: (op, outputs, RNG state after it, versions) or None
         self.kept_at_pack = 0  # selective: ops kept when the last tensor was saved
-        self.ran_at_pack = 0  # selective: ops run when the last tensor was saved (the recompute stops there)
+        self.ran_at_pack = 0  # selective: ops recorded when the last tensor was saved
         self.mode: _SelectiveMode | None = None
-        self.ops: list[_OpRecord] = []  # selective: every op the forward ran
-        self.made_by: dict[int, tuple[weakref.ref, int]] = {}  # forward: id(tensor) -> (tensor, index of its op)
-        self.saved_by: set[int] = set()  # forward: indices of the ops that made tensors autograd saved
-        self.skippable: frozenset[int] = frozenset()  # recompute: ops whose outputs lead only to kept ops
+        self.tape: _Tape | None = None  # selective: the forward's ops (None when it cannot stand in for the function)
         self.recomputed: dict[int, dict[int, Tensor]] = {}
 
     # --------------------------------------------------------------- policy
 
-    def keeps(self, op, args, kwargs) -> bool:
+    def keeps(self, op, traits: _OpTraits, args, kwargs) -> bool:
         if self.policy == "selective":
-            return _traits(op).selective and not _attention_scores(op, args)
-        return _traits(op).keepable and bool(self.policy(op, *args, **kwargs))
+            return traits.selective and not _attention_scores(op, args)
+        return traits.keepable and bool(self.policy(op, *args, **kwargs))
 
     # --------------------------------------------------------------- forward
 
@@ -517,76 +647,29 @@ class _Frame:
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         self.requires_grad = [t.requires_grad for t in tensors]
-        dummy = torch.empty((0,), requires_grad=True)
-        # Keep the node's output alive: the node (and with it its saved tensors) lives as long as it does.
-        self.input_saver = _SaveInputs.apply(dummy, *tensors)
+        with torch._C._DisableTorchDispatch():  # bookkeeping, not part of an enclosing checkpoint's tape
+            dummy = torch.empty((0,), requires_grad=True)
+            # Keep the node's output alive: the node (and with it its saved tensors) lives as long as it does.
+            self.input_saver = _SaveInputs.apply(dummy, *tensors)
+            self.buffers = _BufferGuard(_find_modules([self.function, *leaves]))
         self.rng = _RngState(_cuda_devices(tensors)) if self.preserve_rng_state else None
         self.autocast = _autocast_state()
-        self.buffers = _BufferGuard(_find_modules([self.function, *leaves]))
-        mode = None if self.policy == "full" else _SelectiveMode(self, replay=False)
-        self.mode = mode
+        mode = None
+        if self.policy != "full":
+            mode = self.mode = _SelectiveMode(self)
+            self.tape = _Tape(tensors, self.buffers)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
             with mode if mode is not None else contextlib.nullcontext():
                 out = self.function(*args, **kwargs)
         self.mode = None
-        # Ops kept after the last saved tensor are never reached by the recompute (it stops there); outputs
-        # changed in place after their op ran cannot stand in for it (the recompute runs those ops again).
-        del self.cache[self.kept_at_pack:]
+        # Outputs changed in place after their op ran cannot stand in for it (the recompute runs those ops again).
         self.cache = [None if _versions(e[1]) != e[3] else e for e in self.cache]
-        if mode is not None:
-            # Under autocast the recompute may run fewer casts than the forward (autocast's weight cache), so the
-            # two op sequences need not line up: nothing is skipped there.
-            if not any(enabled for _, enabled, _ in self.autocast[0]):
-                self.skippable = self.find_skippable()
-                for i in self.skippable:  # kept outputs nothing in the recompute reads: free them now
-                    if self.ops[i].kept:
-                        self.cache[self.ops[i].kept_index] = None
-            self.made_by.clear()
-            if not self.skippable:  # the records only serve the skipping
-                self.ops = []
+        if self.tape is not None and self.tape.unsafe is None:
+            self.tape.finish(self.cache, self.ran_at_pack)
+        elif self.tape is not None:
+            self.tape = None
+            del self.cache[self.kept_at_pack:]  # ops kept after the last saved tensor: the rerun stops before them
         return out
-
-    def record_op(self, op, args, kwargs, out, kept: bool) -> None:
-        makers = [self._maker(t) for t in _flat_tensors((*args, *kwargs.values()))]
-        record = _OpRecord(op, kept, [i for i in makers if i is not None], out)
-        if record.is_view:
-            for i in record.inputs:
-                self.ops[i].feeds_view = True
-        self.ops.append(record)
-        index = len(self.ops) - 1
-        for t in [out] if isinstance(out, Tensor) else _flat_tensors(out) if isinstance(out, (tuple, list)) else []:
-            self.made_by[id(t)] = (weakref.ref(t), index)
-
-    def _maker(self, tensor: Tensor) -> int | None:
-        entry = self.made_by.get(id(tensor))
-        return entry[1] if entry is not None and entry[0]() is tensor else None
-
-    def find_skippable(self) -> frozenset[int]:
-        """The ops the recompute need not run: those whose outputs reach neither a tensor autograd saved nor an
-        op that must run, except through kept ops (which hand their outputs back without reading their inputs).
-        E.g. with softmax outputs kept, the attention scores before them (q @ k^T, scale, mask) are skipped; with
-        the copies of q, k and v kept, so is the qkv matmul, even if kept too (its output is then freed)."""
-        usable = {i for i, entry in enumerate(self.cache) if entry is not None}  # kept ops handing outputs back
-        kept_index = -1
-        needed, stack = set(), []
-        for i, record in enumerate(self.ops):
-            if record.kept:
-                kept_index += 1
-                record.kept_index = kept_index
-                record.kept = kept_index in usable
-            if i in self.saved_by or record.must_run:
-                needed.add(i)
-                stack.append(i)
-        while stack:
-            record = self.ops[stack.pop()]
-            if record.kept:
-                continue
-            for j in record.inputs:
-                if j not in needed:
-                    needed.add(j)
-                    stack.append(j)
-        return frozenset(i for i in range(min(self.ran_at_pack, len(self.ops)))
-                         if i not in needed and not self.ops[i].is_view)
 
     def pack(self, tensor: Tensor) -> _Handle:
         handle = _Handle(self, len(self.metas))
@@ -594,35 +677,32 @@ class _Frame:
         self.handles.append(weakref.ref(handle))
         if self.mode is not None:
             self.kept_at_pack = self.mode.kept
-            self.ran_at_pack = self.mode.ran
-            maker = self._maker(tensor)
-            if maker is not None:
-                self.saved_by.add(maker)
+            if self.tape.unsafe is None:
+                self.ran_at_pack = len(self.tape.ops)
+                self.tape.slots.append(self.tape.ref(tensor))
         return handle
 
     # --------------------------------------------------------------- backward
 
     def recompute(self) -> dict[int, Tensor]:
-        """Run the function again; return {slot: tensor} for the handles still alive."""
+        """Run the function again (or replay its tape); return {slot: tensor} for the handles still alive."""
         wanted = {i for i, ref in enumerate(self.handles) if ref() is not None}
         if not wanted:
             return {}
         saved = self.input_saver.grad_fn.saved_tensors  # unpacks through an outer checkpoint when nested
+        if self.tape is not None:
+            with _recomputing():
+                return self.tape.replay(self, [t.detach() for t in saved], wanted)
         tensors = iter(t.detach().requires_grad_(rg) if rg else t.detach()
                        for t, rg in zip(saved, self.requires_grad, strict=True))
         leaves = [next(tensors) if x is _TENSOR else x for x in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
-        try:
-            return self._rerun(args, kwargs, wanted)
-        except _SkipMismatch as e:
-            warnings.warn(f"{e}. Running it again without skipping ops (slower, same result).", stacklevel=2)
-            self.skippable, self.ops = frozenset(), []
-            return self._rerun(args, kwargs, wanted)
+        return self._rerun(args, kwargs, wanted)
 
     def _rerun(self, args, kwargs, wanted: set[int]) -> dict[int, Tensor]:
         store: dict[int, Tensor] = {}
         last = max(wanted)
-        mode = None if self.policy == "full" else _SelectiveMode(self, replay=True)
+        mode = None if self.policy == "full" else _SelectiveMode(self, rerun=True)
         count = 0
 
         def pack(tensor: Tensor) -> int:
@@ -642,7 +722,7 @@ class _Frame:
                     f"tensors of the same shapes and dtypes when it is recomputed in backward (no branching on "
                     f"global state, counters or randomness that is not torch's RNG)")
             if index in wanted:
-                with torch._C._DisableTorchDispatch():  # not through the replay mode
+                with torch._C._DisableTorchDispatch():  # not through the rerun mode
                     store[index] = tensor.detach()
             if index == last:
                 raise _StopRecompute
