@@ -8,13 +8,13 @@ bf16 parameters and activations; B=8, T=1024, d=1024, 16 heads) with:
 - fl full: fl.checkpoint(block, x) per block;
 - torch SAC: torch.utils.checkpoint with create_selective_checkpoint_contexts keeping mm/addmm/SDPA
   outputs (the peer for "selective");
-- fl selective: fl.checkpoint(block, x, policy="selective");
+- fl selective: fl.checkpoint(block, x, policy="selective") (matmul and attention outputs, attention probabilities
+  and the contiguous copies of q, k^T, v and the attention output kept: on written-out attention the recompute reruns
+  the dropouts, norms and GELU, not the scores or the softmax);
+- fl keep-matmuls: the policy fl.ops.checkpoint.keep_matmuls, Megatron-LM's selective recomputation (matmul and
+  attention outputs kept; written-out attention's scores, softmax and dropout recomputed: less memory, more time);
 - fl wide-mm: fl.checkpoint with a callable policy keeping only the outputs of the widening matmuls (qkv,
-  fc1); attention and the d->d matmuls are recomputed (trades more compute for less memory);
-- fl keep-probs: selective plus the attention probabilities (softmax outputs) kept: on written-out attention the
-  recompute skips the scores and reruns only the dropout after the softmax (trades memory for time);
-- fl probs+copies: keep-probs plus the contiguous copies of q, k^T, v and the attention output that autograd saves
-  (same memory: the qkv and probs @ v outputs are then freed), so the recompute skips the qkv matmul and the copies.
+  fc1); attention and the d->d matmuls are recomputed (trades more compute for less memory).
 
 Reports the step time (triton.testing.do_bench median; ratio to 'none'), the activation memory per layer
 held between forward and backward ((memory after forward - memory before) / L: what the formula counts)
@@ -115,34 +115,16 @@ def wide_matmuls(op, *args, **kwargs) -> bool:
     return False
 
 
-SOFTMAX, COPY = aten._softmax.default, aten.clone.default
-
-
-def keep_probabilities(op, *args, **kwargs) -> bool:
-    """The default selective choice, plus the attention probabilities (softmax outputs): the recompute then skips
-    q @ k^T, its scaling and its mask (they only lead to the kept softmax) and reruns only the dropout after it."""
-    return op is SOFTMAX or fl.ops.checkpoint.is_expensive_op(op) and not fl.ops.checkpoint._attention_scores(op, args)
-
-
-def keep_probabilities_and_copies(op, *args, **kwargs) -> bool:
-    """keep-probs plus the copies autograd saves for the matmuls (q, k^T and v made contiguous for q @ k^T and
-    probs @ v; the attention output made contiguous for the projection), as much memory as the qkv and probs @ v
-    outputs they are copies of: the recompute skips those two matmuls (their kept outputs are freed after forward)
-    and does not redo the strided copies (about 1 TB/s on an H200, a quarter of keep-probs' recompute time)."""
-    return op is COPY or keep_probabilities(op, *args, **kwargs)
-
-
 VARIANTS = {
     "none": lambda block, x: block(x),
     "torch": lambda block, x: torch_checkpoint(block, x, use_reentrant=False),
     "fl full": lambda block, x: fl.checkpoint(block, x),
     "torch SAC": torch_sac,
     "fl selective": lambda block, x: fl.checkpoint(block, x, policy="selective"),
+    "fl keep-matmuls": lambda block, x: fl.checkpoint(block, x, policy=fl.ops.checkpoint.keep_matmuls),
     "fl wide-mm": lambda block, x: fl.checkpoint(block, x, policy=wide_matmuls),
-    "fl keep-probs": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities),
-    "fl probs+copies": lambda block, x: fl.checkpoint(block, x, policy=keep_probabilities_and_copies),
 }
-SELECTIVE = ("fl selective", "fl wide-mm", "fl keep-probs", "fl probs+copies")  # judged against torch SAC
+SELECTIVE = ("fl selective", "fl keep-matmuls", "fl wide-mm")  # judged against torch SAC
 PEERS = {"fl full": "torch"} | dict.fromkeys(SELECTIVE, "torch SAC")
 
 

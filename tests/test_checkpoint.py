@@ -476,9 +476,24 @@ def replayed(frame) -> list[str]:
             if tape.ops[i].kept < 0 or frame.cache[tape.ops[i].kept] is None]
 
 
-def test_selective_recomputes_attention_scores():
-    """q @ k^T (T*T per head from two T*hd factors) is recomputed, probs @ v and the linears are kept."""
+def test_selective_keeps_probabilities_and_copies():
+    """Written-out attention under "selective": the softmax outputs and the copies of q, k^T, v and the attention
+    output are kept; nothing in the recompute reads the qkv matmul's output or probs @ v's (their copies are kept),
+    so they are freed after forward, and the recompute runs neither the scores (q @ k^T, scaling) nor the softmax:
+    views and the dropout only. Gradients stay bitwise equal, dropout included."""
     frame, got, want = math_block_step("selective")
+    held = [e[0]._schema.name for e in frame.cache if e is not None]
+    assert held == ["aten::clone", "aten::clone", "aten::_softmax", "aten::clone", "aten::clone"], held
+    assert len(frame.cache) == len(held) + 3  # qkv, probs @ v and proj: freed
+    assert set(replayed(frame)) == {"view", "t", "_unsafe_view", "expand", "empty_like", "bernoulli_", "div_", "mul"}
+    assert_equal_lists(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+
+def test_keep_matmuls_recomputes_attention_scores():
+    """Megatron-LM's choice (``keep_matmuls``): q @ k^T (T*T per head from two T*hd factors) is recomputed with the
+    softmax and dropout after it; the qkv matmul and probs @ v are kept."""
+    frame, got, want = math_block_step(ckpt.keep_matmuls)
     held = [e for e in frame.cache if e is not None]
     assert [e[0]._schema.name for e in held] == ["aten::addmm", "aten::bmm"]  # qkv and probs @ v
     assert held[1][1].shape == (2 * 2, 16, 4)
@@ -489,40 +504,20 @@ def test_selective_recomputes_attention_scores():
     assert torch.equal(got[2], want[2])
 
 
-def keep_probabilities(op, *args, **kwargs):
-    """The selective choice plus the softmax outputs."""
-    return op is aten._softmax.default or (ckpt.is_expensive_op(op) and not ckpt._attention_scores(op, args))
+def test_selective_copies_again_what_the_recompute_holds_anyway():
+    """A kept copy whose source the recompute needs anyway (sin saves exp's output) is not held twice: it is freed
+    after forward and copied again."""
+    def fn(t):
+        h = t.exp()
+        return h.clone() * h.sin()
 
-
-def test_selective_replays_only_what_leads_to_saved_tensors():
-    """With the softmax outputs kept, the recompute does not run q @ k^T and its scaling (they only lead to the kept
-    softmax): it replays the recorded ops that lead to what backward needs, and gradients stay bitwise equal,
-    dropout included (its random ops always replay, in order)."""
-    frame, got, want = math_block_step(keep_probabilities)
-    assert [e[0]._schema.name for e in frame.cache if e is not None] == ["aten::addmm", "aten::_softmax", "aten::bmm"]
-    ops = replayed(frame)
-    assert "bmm" not in ops and "_softmax" not in ops and "addmm" not in ops
-    assert ops.count("mul") == 1 and "bernoulli_" in ops  # the dropout's; the scaling of the scores is not rerun
-    assert_equal_lists(got[1], want[1])
-    assert torch.equal(got[2], want[2])
-
-
-def keep_probabilities_and_copies(op, *args, **kwargs):
-    """keep_probabilities plus the copies autograd saves for the matmuls (q, k^T, v and the attention output)."""
-    return op is aten.clone.default or keep_probabilities(op, *args, **kwargs)
-
-
-def test_selective_frees_kept_outputs_the_recompute_does_not_read():
-    """With the copies of q, k^T and v kept, nothing in the recompute reads the qkv matmul's output: it is not run
-    and its kept output is freed after forward; so is probs @ v, whose copy (the projection's input) is kept. The
-    recompute is left with views and the dropout. Gradients stay bitwise equal."""
-    frame, got, want = math_block_step(keep_probabilities_and_copies)
-    held = [e[0]._schema.name for e in frame.cache if e is not None]
-    assert held == ["aten::clone", "aten::clone", "aten::_softmax", "aten::clone", "aten::clone"], held
-    assert len(frame.cache) == len(held) + 3  # qkv, probs @ v and proj: freed
-    assert set(replayed(frame)) == {"view", "t", "_unsafe_view", "expand", "empty_like", "bernoulli_", "div_", "mul"}
-    assert_equal_lists(got[1], want[1])
-    assert torch.equal(got[2], want[2])
+    x = torch.randn(5, requires_grad=True)
+    want = torch.autograd.grad(fn(x).sum(), x)[0]
+    with ckpt._capture_frames() as frames:
+        y = fl.checkpoint(fn, x, policy="selective")
+    assert len(frames[0].cache) == 1 and frames[0].cache[0] is None
+    assert replayed(frames[0]) == ["exp", "clone", "sin"]
+    assert torch.equal(torch.autograd.grad(y.sum(), x)[0], want)
 
 
 def test_selective_replays_what_the_forward_ran():
@@ -574,12 +569,12 @@ def test_selective_runs_the_function_again_when_it_computes_outside_the_dispatch
         assert torch.equal(torch.autograd.grad(y.sum(), x)[0], want)
 
 
+@pytest.mark.parametrize("policy", ["selective", ckpt.keep_matmuls])
 @pytest.mark.parametrize("attention,position", [("stock", "learned"), ("sdpa", "rotary"), ("custom", "rotary")])
-def test_selective_replay_on_the_project_gpt(attention, position):
-    """The project's GPT blocks (each attention and position kind, dropout) checkpointed with a policy that keeps
-    the copies autograd saves, the softmax outputs and the matmuls: every block's recompute is a replay of its
-    recorded ops (nothing in them computes outside the dispatcher), and the gradients are bitwise those of the
-    unwrapped model."""
+def test_selective_replay_on_the_project_gpt(attention, position, policy):
+    """The project's GPT blocks (each attention and position kind, dropout) checkpointed selectively: every
+    block's recompute is a replay of its recorded ops (nothing in them computes outside the dispatcher), and the
+    gradients are bitwise those of the unwrapped model."""
     from models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -601,9 +596,9 @@ def test_selective_replay_on_the_project_gpt(attention, position):
 
     want = grads(lambda forward: forward)
     with ckpt._capture_frames() as frames:
-        got = grads(lambda forward: lambda *a: fl.checkpoint(forward, *a, policy=keep_probabilities_and_copies))
+        got = grads(lambda forward: lambda *a: fl.checkpoint(forward, *a, policy=policy))
     assert len(frames) == cfg.n_layer and all(frame.tape is not None for frame in frames)
-    if attention == "stock":  # written-out attention: its scores (before the kept softmax) are not rerun
+    if attention == "stock" and policy == "selective":  # its scores (before the kept softmax) are not rerun
         assert all("bmm" not in replayed(frame) and "_softmax" not in replayed(frame) for frame in frames)
     assert_equal_lists(got, want)
 
@@ -883,7 +878,7 @@ def test_cuda_selective_skips_scores_with_kept_probabilities():
         return y.detach(), grads_of([x, *block.parameters()])
 
     with ckpt._capture_frames() as frames:
-        got = run(lambda t: fl.checkpoint(block, t, policy=keep_probabilities))
+        got = run(lambda t: fl.checkpoint(block, t, policy="selective"))
     assert frames[0].tape is not None
     assert "bmm" not in replayed(frames[0]) and "_softmax" not in replayed(frames[0])
     want, again = run(block), run(block)

@@ -43,11 +43,15 @@ Policies
 --------
 - ``"full"``: keep only the inputs; recompute everything in backward (memory per block: its inputs).
 - ``"selective"``: keep the outputs of the expensive ops (matmuls, convolutions, attention and the
-  ``torch.ops.fusedlayers`` attention / linear-cross-entropy ops) and recompute only the cheap ones
-  (norms, activations, dropout, elementwise, copies), as selective activation recomputation in Megatron-LM
-  and torch's SAC do. One exception, Megatron-LM's: attention written out as matmuls (``softmax(q @ k^T) @
-  v``) has its scores recomputed, not kept: a batched matmul whose output is larger than its factors costs
-  little compute for the (s*s per head) memory it would hold.
+  ``torch.ops.fusedlayers`` attention / linear-cross-entropy ops) and recompute the cheap ones (norms,
+  activations, dropout, elementwise), as selective activation recomputation in Megatron-LM and torch's SAC
+  do, with two differences for attention written out as matmuls (``dropout(softmax(q @ k^T)) @ v``). Its
+  probabilities (softmax outputs, also ``fl.softmax``'s) are kept, its scores are not: the recompute then
+  reruns the dropout only, not the scores, their scaling and mask and the softmax (at T=1024, d=1024 that
+  costs +33% step time, Megatron-LM's choice, against +8%: ``keep_matmuls`` is that choice). And copies
+  (``aten.clone``: q, k, v and the attention output made contiguous for the matmuls) are kept: they take the
+  memory their sources would, which are then freed, so the recompute needs neither the qkv matmul's output
+  nor probs @ v's; a copy whose source the recompute holds anyway is made again instead of held twice.
 
   The recompute does not call the function again: a ``TorchDispatchMode`` records every aten-level op the
   forward runs (op, arguments, which earlier op made each tensor argument: a tape; the tensors themselves are
@@ -85,7 +89,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["checkpoint", "CheckpointError", "is_recomputing", "is_expensive_op", "POLICIES"]
+__all__ = ["checkpoint", "CheckpointError", "is_recomputing", "is_expensive_op", "keep_matmuls", "POLICIES"]
 
 POLICIES = ("full", "selective")
 
@@ -129,6 +133,13 @@ EXPENSIVE_ATEN_OPS = frozenset({
 # torch.ops.fusedlayers ops kept by "selective", matched by name prefix (so ops added later count too).
 EXPENSIVE_FUSEDLAYERS_PREFIXES = ("attention", "scaled_dot_product_attention", "flash_attention",
                                   "linear_cross_entropy")
+# Also kept by "selective": attention probabilities (softmax outputs), so that the recompute needs neither the
+# scores nor their scaling and masking (s*s per head: recomputing them costs a third of a d=1024, T=1024 block's
+# GPU time); and copies (``.contiguous()`` before a matmul), which take the memory their sources would (those are
+# then freed; a copy whose source the recompute holds anyway is made again instead of held twice).
+PROBABILITY_OPS = frozenset({"aten::_softmax", "aten::_safe_softmax", "fusedlayers::softmax",
+                             "fusedlayers::scaled_masked_softmax"})
+COPY_OPS = frozenset({"aten::clone"})
 
 
 @functools.cache  # called for every op a selective checkpoint runs; reading op._schema costs microseconds
@@ -143,14 +154,21 @@ def is_expensive_op(op) -> bool:
     return False
 
 
+def keep_matmuls(op, *args, **kwargs) -> bool:
+    """A policy for ``fl.checkpoint``: keep only the outputs of matmuls, convolutions and attention ops (not the
+    attention scores), recompute everything else, softmax included: Megatron-LM's selective recomputation. Less
+    memory than ``"selective"`` where attention is written out (no s*s probabilities held), more recompute."""
+    return _traits(op).keepable and is_expensive_op(op) and not _attention_scores(op, args)
+
+
 _BMM, _BADDBMM = torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default
 
 
 def _attention_scores(op, args) -> bool:
     """A batched matmul whose output is larger than its two factors: attention scores ``q @ k^T`` (s*s per
-    head from two s*d factors). Cheap to recompute for the memory they take; selective recomputes them (with
-    the softmax and dropout after them), as Megatron-LM's selective recomputation does. Linear layers run
-    ``mm`` / ``addmm`` and are always kept."""
+    head from two s*d factors). Not kept: with the softmax outputs kept nothing in the recompute reads them,
+    and a policy that recomputes the softmax recomputes them too, as Megatron-LM's selective recomputation
+    does. Linear layers run ``mm`` / ``addmm`` and are always kept."""
     if op is not _BMM and op is not _BADDBMM:
         return False
     a, b = args[-2], args[-1]  # bmm(a, b); baddbmm(input, a, b)
@@ -161,7 +179,7 @@ class _OpTraits(NamedTuple):
     keepable: bool  # its outputs can be handed back from a cache: it neither returns views nor mutates
     uses_rng: bool
     for_effect: bool  # the replay runs it whatever its outputs feed: it draws random numbers or mutates
-    selective: bool  # kept by policy="selective" (attention scores aside)
+    selective: bool  # kept by policy="selective" (attention scores aside): expensive, probabilities, copies
     aten: bool
 
 
@@ -177,8 +195,9 @@ def _traits(op) -> _OpTraits:
         schema = op._schema
         keepable = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
         uses_rng = op.namespace != "aten" or torch.Tag.nondeterministic_seeded in op.tags
-        entry = _traits_by_id[id(op)] = (op, _OpTraits(keepable, uses_rng, uses_rng or schema.is_mutable,
-                                                       keepable and is_expensive_op(op), op.namespace == "aten"))
+        selective = keepable and (is_expensive_op(op) or schema.name in PROBABILITY_OPS or schema.name in COPY_OPS)
+        entry = _traits_by_id[id(op)] = (op, _OpTraits(keepable, uses_rng, uses_rng or schema.is_mutable, selective,
+                                                       op.namespace == "aten"))
     return entry[1]
 
 
@@ -510,6 +529,9 @@ class _Tape:
             if not usable(i):
                 stack.extend(ops[i].inputs)
         self.order = sorted(needed)
+        for i in self.order:  # a kept copy of what the replay holds anyway: copied again rather than held twice
+            if usable(i) and ops[i].op._schema.name in COPY_OPS and all(j in needed for j in ops[i].inputs):
+                cache[ops[i].kept] = None
         last_read: dict[int, int] = {}
         for i in self.order:
             if not usable(i):
