@@ -13,8 +13,8 @@ Interfaces (all tensors (B, H, T, D) for attention):
 - ``QUANT[name](model, act_bits) -> None``: prepares ``model``'s Linear layers in place for
   quantization-aware training (the same parameters; the LM head, tied to the embedding, stays float).
 - ``CHECKPOINT[name](block) -> nn.Module``: the transformer block, wrapped for activation checkpointing
-  (``fl.CheckpointedBlock`` keeps the block's parameter names); ``selective`` keeps matmul/attention
-  outputs and recomputes only the cheap ops.
+  (``fl.CheckpointedBlock`` keeps the block's parameter names); ``selective`` keeps matmul/attention outputs
+  and attention probabilities and recomputes the cheap ops.
 - ``POSITION[name](config) -> nn.Module`` with ``embed(x)`` (add position information to token
   embeddings (B, T, C)) and ``rotate(q, k)`` (apply it to queries and keys).
 """
