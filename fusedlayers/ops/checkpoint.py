@@ -210,6 +210,20 @@ def _detach(x):
     return x.detach() if isinstance(x, Tensor) else x
 
 
+def _flat(out) -> bool:
+    """A tuple / list of tensors and values, none nested (most aten ops' outputs): no pytree walk needed."""
+    return (type(out) is tuple or type(out) is list) and not any(type(x) is tuple or type(x) is list for x in out)
+
+
+def _detached(out):
+    """An op's outputs detached."""
+    if isinstance(out, Tensor):
+        return out.detach()
+    if _flat(out):
+        return type(out)([x.detach() if isinstance(x, Tensor) else x for x in out])
+    return tree_map(_detach, out)
+
+
 # ----------------------------------------------------------------------------- RNG and autocast state
 
 
@@ -374,7 +388,7 @@ class _SelectiveMode(TorchDispatchMode):
             rng = None
             if frame.preserve_rng_state and traits.uses_rng:
                 rng = _RngState(_cuda_devices(_tensor_leaves((args, kwargs))))
-            kept = tree_map(_detach, out)
+            kept = _detached(out)
             frame.cache.append((func, kept, rng, _versions(kept)))
             kept_index = self.kept
             self.kept += 1
@@ -397,11 +411,15 @@ class _SelectiveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if rng is not None:
             rng.set()
-        return tree_map(_detach, out)
+        return _detached(out)
 
 
-def _versions(tree) -> tuple[int, ...]:
-    return tuple(t._version for t in _tensor_leaves(tree))
+def _versions(out) -> tuple[int, ...]:
+    if isinstance(out, Tensor):
+        return (out._version,)
+    if _flat(out):
+        return tuple(x._version for x in out if isinstance(x, Tensor))
+    return tuple(t._version for t in _tensor_leaves(out))
 
 
 def _tensor_leaves(tree) -> list[Tensor]:
@@ -514,27 +532,26 @@ class _Tape:
         self.made_by = {}
         ops = self.ops
 
-        def usable(i: int) -> bool:
-            return ops[i].kept >= 0 and cache[ops[i].kept] is not None
-
+        usable = [r.kept >= 0 and cache[r.kept] is not None for r in ops]  # kept: hands its outputs back
         needed: set[int] = set()
         stack = [ref.a for ref in self.slots if ref.kind == _OP]
         stack += [i for i in range(min(ran_at_pack, len(ops)))
-                  if ops[i].must_run or (usable(i) and cache[ops[i].kept][2] is not None)]
+                  if ops[i].must_run or (usable[i] and cache[ops[i].kept][2] is not None)]
         while stack:
             i = stack.pop()
             if i in needed:
                 continue
             needed.add(i)
-            if not usable(i):
+            if not usable[i]:
                 stack.extend(ops[i].inputs)
         self.order = sorted(needed)
         for i in self.order:  # a kept copy of what the replay holds anyway: copied again rather than held twice
-            if usable(i) and ops[i].op._schema.name in COPY_OPS and all(j in needed for j in ops[i].inputs):
+            if usable[i] and ops[i].op._schema.name in COPY_OPS and all(j in needed for j in ops[i].inputs):
                 cache[ops[i].kept] = None
+                usable[i] = False
         last_read: dict[int, int] = {}
         for i in self.order:
-            if not usable(i):
+            if not usable[i]:
                 for j in ops[i].inputs:
                     last_read[j] = i
         self.frees = {}
