@@ -58,10 +58,9 @@ Policies
   not held) and keeps the chosen ops' outputs. After forward the tape is cut to the ops whose outputs lead to
   a tensor autograd saved, except through kept ops, plus the random and mutating ops (to draw the same
   numbers); kept outputs nothing on it reads are freed. The recompute runs those ops, in order, under
-  no_grad: no Python of the function, no autograd recording, no op whose outputs only lead to kept ones. So a
-  policy that keeps softmax outputs recomputes no attention scores, and one that keeps the contiguous copies
-  of q, k and v needs neither the qkv matmul nor its output. The host time this saves matters: a selective
-  step is otherwise bound by the CPU (a dispatch mode costs microseconds per op). Module buffers the ops read
+  no_grad: no Python of the function, no autograd recording, no op whose outputs only lead to kept ones. The
+  host time this saves matters: a selective step is otherwise bound by the CPU (a dispatch mode costs
+  microseconds per op, in forward and, when rerunning the function, in backward). Module buffers the ops read
   are replaced by private copies of their pre-forward values (BatchNorm's stats are updated once). The one
   case a tape cannot cover, computation outside the dispatcher (an autograd.Function launching its own
   kernels, as Liger-Kernel's do), is detected by its aten ops running with grad mode off; the recompute then
