@@ -114,6 +114,19 @@ def _recomputing():
         _local.depth -= 1
 
 
+@contextlib.contextmanager
+def _bookkeeping():
+    """The checkpoint's own ops (saving the inputs, copying buffers; some run with grad mode off) are run past an
+    enclosing selective checkpoint's mode: they are not the function's, and must not mark its tape unsafe. (Only
+    our modes skip them: user modes and tensor subclasses see them as before.)"""
+    previous = getattr(_local, "bookkeeping", False)
+    _local.bookkeeping = True
+    try:
+        yield
+    finally:
+        _local.bookkeeping = previous
+
+
 class _StopRecompute(Exception):
     """Raised from the recompute's pack hook once the last tensor still needed exists."""
 
@@ -376,6 +389,8 @@ class _SelectiveMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(_local, "bookkeeping", False):  # an inner checkpoint's own ops
+            return func(*args, **kwargs)
         frame = self.frame
         traits = _traits(func)
         keep = frame.keeps(func, traits, args, kwargs)
@@ -685,7 +700,7 @@ class _Frame:
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         self.requires_grad = [t.requires_grad for t in tensors]
-        with torch._C._DisableTorchDispatch():  # bookkeeping, not part of an enclosing checkpoint's tape
+        with _bookkeeping():  # not part of an enclosing selective checkpoint's tape
             dummy = torch.empty((0,), requires_grad=True)
             # Keep the node's output alive: the node (and with it its saved tensors) lives as long as it does.
             self.input_saver = _SaveInputs.apply(dummy, *tensors)
