@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlayers as fl
+from fusedlayers import kernels
 from fusedlayers.ops import _eager
+from tests.conftest import INTERPRETER
 
 
 def _node(t: torch.Tensor) -> str:
@@ -124,3 +128,77 @@ def test_backward_op_without_autograd_keeps_the_dispatchers_error():
     (g,) = torch.autograd.grad(fl.scaled_dot_product_attention(q, q, q).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         g.sum().backward()
+
+
+# ----------------------------------------------------------------------------- direct kernel launches
+
+
+@triton.jit
+def _scale_kernel(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * factor, mask=offs < n)
+
+
+def test_launch_keys_cover_tritons_specialization():
+    """Whatever Triton specializes a compiled kernel on must change the key of the direct launch."""
+    key = kernels._arg_key
+    x = torch.zeros(8)
+    assert key(x) != key(x[1:])  # 16-byte alignment
+    assert key(x) != key(x.half())
+    assert key(x) == key(torch.ones(3))  # shape and values are not specialized on
+    for a, b in [(1, 2), (16, 17), (32, 49), (2**31 - 16, 2**31), (2**63 - 16, 2**63), (1, True),
+                 (0, False), (1, 1.0)]:
+        assert key(a) != key(b), (a, b)
+    assert key(32) == key(48) and key(3) == key(5) and key(0.5) == key(2.0)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="the interpreter is off")
+def test_launch_goes_through_triton_under_the_interpreter():
+    x = torch.randn(100)
+    y = torch.empty_like(x)
+    kernels.launch(_scale_kernel, (2,), x, y, 100, 2.5, BLOCK=64)
+    assert kernels._direct_launchers[_scale_kernel] is False
+    torch.testing.assert_close(y, x * 2.5, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_direct_launch_equals_tritons():
+    """The second launch with the same argument properties calls the compiled kernel without Triton's launcher
+    (Triton's run is disabled to prove it); misaligned views, n of 1 and of a multiple of 16 compile anew."""
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty(1024, device="cuda")
+    for offset, n in [(0, 1000), (1, 999), (0, 16), (0, 1), (3, 17)]:
+        src, dst = x[offset:offset + n], out[offset:offset + n]
+        dst.zero_()
+        kernels.launch(_scale_kernel, (kernels.cdiv(n, 128),), src, dst, n, 2.5, BLOCK=128)
+        torch.testing.assert_close(dst, src * 2.5, rtol=0, atol=0)
+        dst.zero_()
+        _scale_kernel.run = _fail
+        try:
+            kernels.launch(_scale_kernel, (kernels.cdiv(n, 128),), src, dst, n, 2.5, BLOCK=128)
+        finally:
+            del _scale_kernel.run
+        torch.testing.assert_close(dst, src * 2.5, rtol=0, atol=0)
+    assert len(kernels._direct_launchers[_scale_kernel].compiled) == 5
+
+
+@pytest.mark.cuda
+def test_launch_hooks_send_launches_through_triton():
+    from triton import knobs
+
+    x = torch.randn(64, device="cuda")
+    y = torch.empty_like(x)
+    seen = []
+    hook = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        for _ in range(2):
+            kernels.launch(_scale_kernel, (1,), x, y, 64, 2.0, BLOCK=64)
+    finally:
+        knobs.runtime.launch_enter_hook = hook
+    assert len(seen) == 2
+    torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("Triton's launcher ran")

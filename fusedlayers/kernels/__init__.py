@@ -1,5 +1,10 @@
 """Triton kernels and their launchers, one module per op (no torch.library code here)."""
 
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
 
 # Launch arithmetic in plain Python: triton.cdiv / triton.next_power_of_2 are constexpr functions in newer Triton,
 # a few microseconds per call on the host.
@@ -10,3 +15,78 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` with less host time: after Triton compiled the kernel for these argument
+    properties once, its compiled launcher is called directly.
+
+    Triton's ``kernel[grid](...)`` derives the argument specialization, a cache key and the launch hooks on every
+    call: 18.8 us of host time per launch on an H200's host, against 6.3 us for the compiled kernel's own launcher
+    (10.3 us with the lookup below). An eager fwd+bwd launches two or three kernels, so this is host time that
+    small steps wait for. The lookup key is at least as fine as Triton's specialization (each tensor's dtype and
+    16-byte alignment; each int's ==1, %16 and 32/64-bit range; the type of everything else; the constexprs and
+    options by value), so it can only miss where Triton would hit, never hit where Triton would compile anew.
+    Under the interpreter, with launch hooks set (a profiler) or pre-run hooks, the call goes through Triton.
+    """
+    fast = _direct_launchers.get(kernel)
+    if fast is None:
+        fast = _direct_launchers[kernel] = _DirectLauncher.for_kernel(kernel)
+    if fast is False or not _no_launch_hooks():
+        kernel[grid](*args, **meta)
+        return
+    fast(grid, args, meta)
+
+
+_direct_launchers: dict = {}  # kernel -> its _DirectLauncher, or False where Triton's own path must run
+
+
+def _no_launch_hooks() -> bool:
+    return all(not getattr(hook, "calls", hook) for hook in (knobs.runtime.launch_enter_hook,
+                                                             knobs.runtime.launch_exit_hook))
+
+
+def _arg_key(a):
+    """What Triton specializes a kernel argument on (or finer)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        return int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63
+    return type(a)
+
+
+class _DirectLauncher:
+    """Compiled kernels of one JITFunction, by argument properties, and their direct launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.driver = driver.active
+        self.compiled: dict = {}  # (device, argument keys, meta) -> (compiled kernel, constexpr values)
+
+    @classmethod
+    def for_kernel(cls, kernel):
+        if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:  # the interpreter, an autotuner
+            return False
+        return cls(kernel)
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        device = self.driver.get_current_device()
+        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        entry = self.compiled.get(key)
+        if entry is None:  # Triton compiles (or finds) it and launches it this once
+            compiled = self.kernel[grid](*args, **meta)
+            if hasattr(compiled, "packed_metadata"):
+                self.compiled[key] = (compiled, self._constexprs(len(args), meta))
+            return
+        compiled, constexprs = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, self.driver.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *constexprs)
+
+    def _constexprs(self, n_args: int, meta: dict) -> tuple:
+        """The values of the parameters after the positional ones (the launcher takes every parameter)."""
+        params = self.kernel.params[n_args:]
+        return tuple(meta[p.name] if p.name in meta else p.default for p in params)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import cdiv, next_power_of_2
+from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 # Rows at least this long run one row per program with the column block autotuned (CUDA).
 LONG_ROW = 4096
@@ -208,8 +208,8 @@ def _launch(name: str, x: torch.Tensor, args: tuple, consts: dict, may_tune: boo
     n_rows, n_cols = x.shape
     if n_cols < LONG_ROW or x.device.type != "cuda":
         block_m, block_n, num_warps = _short_row_config(n_cols)
-        kernel[(cdiv(n_rows, block_m),)](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                num_warps=num_warps)
+        launch(kernel, (cdiv(n_rows, block_m),), *args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
+               num_warps=num_warps)
         return
     key = (name, next_power_of_2(n_cols), consts.get("HAS_SMOOTHING"), consts.get("HAS_Z"), x.dtype,
            x.device)
@@ -221,8 +221,8 @@ def _launch(name: str, x: torch.Tensor, args: tuple, consts: dict, may_tune: boo
             _tuned_configs[key] = (best.kwargs["BLOCK_N"], best.num_warps)
         return
     block_n, num_warps = config or DEFAULT_LONG_ROW[name]
-    kernel[(n_rows,)](*args, **consts, BLOCK_M=1, BLOCK_N=min(block_n, next_power_of_2(n_cols)),
-                      num_warps=num_warps)
+    launch(kernel, (n_rows,), *args, **consts, BLOCK_M=1, BLOCK_N=min(block_n, next_power_of_2(n_cols)),
+           num_warps=num_warps)
 
 
 def _consts(smoothing: float, z_loss: float) -> dict:
@@ -258,8 +258,8 @@ def cross_entropy_reduce(loss_rows: torch.Tensor, target: torch.Tensor, ignore_i
     count = torch.empty((), dtype=torch.int64, device=loss_rows.device)
     n_rows = loss_rows.shape[0]
     block = min(4096, max(128, next_power_of_2(max(n_rows, 1))))
-    _ce_reduce_kernel[(1,)](loss_rows, target, out, count, n_rows, target.stride(0) if n_rows else 1,
-                            ignore_index, MEAN=mean, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    launch(_ce_reduce_kernel, (1,), loss_rows, target, out, count, n_rows, target.stride(0) if n_rows else 1,
+           ignore_index, MEAN=mean, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out, count
 
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import cdiv, next_power_of_2
+from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 PER_TENSOR, PER_ROW, PER_COL = 0, 1, 2
 ROUND_AFTER, ROUND_FMA, ROUND_INSIDE = 0, 1, 2
@@ -286,7 +286,8 @@ def _packed_shape(M: int, N: int) -> tuple[int, int]:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).contiguous()
+    """A tensor the kernels can index flat: any contiguous tensor (no reshape, a view costs host time)."""
+    return t.contiguous()
 
 
 def _zp_mode(zero_point: torch.Tensor, lsq_per_tensor: bool = False) -> int:
@@ -314,7 +315,7 @@ def fake_quantize_forward(
     block_m, block_n, num_warps = _tile_config(M, N)
     grid_n = cdiv(N, block_n)
     grid = (cdiv(M, block_m) * grid_n,)
-    _fq_fwd_kernel[grid](
+    launch(_fq_fwd_kernel, grid,
         x, y, mask, _flat(scale), _flat(zero_point), M, N, C, grid_n, mask.shape[1], float(quant_min),
         float(quant_max), QP_MODE=qp_mode, ZP_MODE=_zp_mode(zero_point), ROUND_MODE=round_mode,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False,
@@ -330,7 +331,7 @@ def fake_quantize_ste_backward(grad: torch.Tensor, mask: torch.Tensor, M: int, N
         return dx
     block_m, block_n, num_warps = _tile_config(M, N)
     grid_n = cdiv(N, block_n)
-    _fq_ste_bwd_kernel[(cdiv(M, block_m) * grid_n,)](
+    launch(_fq_ste_bwd_kernel, (cdiv(M, block_m) * grid_n,),
         grad, mask, dx, M, N, grid_n, mask.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx
@@ -355,8 +356,8 @@ def fake_quantize_lsq_backward(
     grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
     part_shape = {PER_TENSOR: (grid_m * grid_n,), PER_ROW: (grid_n, M), PER_COL: (grid_m, N)}[qp_mode]
     parts = torch.empty((2, *part_shape), dtype=torch.float32, device=x.device)  # scale's, zero point's
-    _fq_lsq_bwd_kernel[(grid_m * grid_n,)](
-        grad, x, dx, _flat(scale), _flat(zero_point), parts, M, N, C, grid_n, parts[0].numel(),
+    launch(_fq_lsq_bwd_kernel, (grid_m * grid_n,),
+        grad, x, dx, _flat(scale), _flat(zero_point), parts, M, N, C, grid_n, parts.shape[1:].numel(),
         float(quant_min), float(quant_max), float(grad_factor),
         QP_MODE=qp_mode, ZP_MODE=_zp_mode(zero_point, lsq_per_tensor=qp_mode == PER_TENSOR),
         ROUND_MODE=round_mode, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False,
@@ -390,14 +391,14 @@ def fake_quantize_dynamic_forward(
         looped = N > MAX_ONE_PASS_COLS
     if looped:
         block_n = max(8, min(LOOP_BLOCK_N, next_power_of_2(N)))
-        _fq_dynamic_looped_kernel[(M,)](*args, SYMMETRIC=symmetric, BLOCK_N=block_n,
-                                        num_warps=8 if block_n >= 2048 else 4, enable_fp_fusion=False)
+        launch(_fq_dynamic_looped_kernel, (M,), *args, SYMMETRIC=symmetric, BLOCK_N=block_n,
+               num_warps=8 if block_n >= 2048 else 4, enable_fp_fusion=False)
     else:
         block_n = max(8, next_power_of_2(N))
         block_m = min(next_power_of_2(M), max(1, TILE_ELEMENTS // block_n))
         elements = block_m * block_n
         num_warps = 4 if elements <= 1024 else 8 if elements <= 8192 else 16
-        _fq_dynamic_kernel[(cdiv(M, block_m),)](
+        launch(_fq_dynamic_kernel, (cdiv(M, block_m),),
             *args, SYMMETRIC=symmetric, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
             enable_fp_fusion=False,
         )

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import cdiv
+from fusedlayers.kernels import cdiv, launch
 
 _ADDMM_OUT_DTYPE: dict[torch.device, bool] = {}
 
@@ -78,5 +78,5 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
     numel = src.numel()
     if numel:
         block = 4096
-        _scale_cast_kernel[(cdiv(numel, block),)](src, g, out, numel, BLOCK=block, num_warps=8)
+        launch(_scale_cast_kernel, (cdiv(numel, block),), src, g, out, numel, BLOCK=block, num_warps=8)
     return out

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import cdiv, next_power_of_2
+from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 PHILOX_ROUNDS = tl.constexpr(7)  # a constexpr global: the @jit functions read it
@@ -629,7 +629,7 @@ def attention_forward(
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     bd, bdv = _head_block(D), _head_block(DV)
     grid = (cdiv(L, cfg.block_m), B * H)
-    _attn_fwd_kernel[grid](
+    launch(_attn_fwd_kernel, grid,
         q, k, v, out, lse, mask_t,
         *q.stride(), *k.stride(), *v.stride(), *ms,
         H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
@@ -662,7 +662,7 @@ def attention_backward(
     lse = lse.contiguous()
     delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
     pre_m = 64 if bdv <= 128 else 32
-    _bwd_preprocess_kernel[(cdiv(L, pre_m), B * H)](
+    launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
         out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
     )
     mask_t, ms, mask_bool = _mask_args(mask, q)
@@ -675,7 +675,7 @@ def attention_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
     if need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None)
-        _attn_bwd_dkdv_kernel[(cdiv(S, cfg.block_n), B * H_kv)](
+        launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
             q, k, v, grad_out, lse, delta, dk if need_dk else q, dv if need_dv else q, mask_t,
             ds if need_dmask else delta, *strides, *scalars,
             COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
@@ -683,7 +683,7 @@ def attention_backward(
         )
     if need_dq:
         cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
-        _attn_bwd_dq_kernel[(cdiv(L, cfg.block_m), B * H)](
+        launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *scalars, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

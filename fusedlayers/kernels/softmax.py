@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import cdiv, next_power_of_2
+from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 # Rows up to this many columns run the one-pass kernels. Longer rows: the forward runs the looped kernel;
 # the backward runs the split kernel, in at most MAX_SPLIT blocks of SPLIT_BLOCK_N columns, and the
@@ -290,7 +290,7 @@ def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale:
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=out2.device)  # arrivals per row, then the ticket
     meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
     for phase in (0,) if out2.is_cuda else (1, 2):
-        _softmax_bwd_split_kernel[(n_rows * split,)](
+        launch(_softmax_bwd_split_kernel, (n_rows * split,),
             g2, out2, dx, partial_sums, sync, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale),
             **meta, PHASE=phase,
         )
@@ -372,11 +372,11 @@ def softmax_forward(
     if kernel not in ("one_pass", "looped"):
         raise ValueError(f"kernel must be 'one_pass' or 'looped' for the forward, got {kernel!r}")
     if kernel == "looped":
-        grid, launch = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
-        _softmax_fwd_looped_kernel[grid](*args, **common, **launch)
+        grid, options = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
+        launch(_softmax_fwd_looped_kernel, grid, *args, **common, **options)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols)
-        _softmax_fwd_kernel[(cdiv(n_rows, block_m),)](
+        launch(_softmax_fwd_kernel, (cdiv(n_rows, block_m),),
             *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
     return y
@@ -403,11 +403,11 @@ def softmax_backward(
     if kernel == "split":
         _split_launch(g2, out2, dx, scale)
     elif kernel == "looped":
-        grid, launch = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
-        _softmax_bwd_looped_kernel[grid](*args, **launch)
+        grid, options = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
+        launch(_softmax_bwd_looped_kernel, grid, *args, **options)
     else:
         block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
-        _softmax_bwd_kernel[(cdiv(n_rows, block_m),)](
+        launch(_softmax_bwd_kernel, (cdiv(n_rows, block_m),),
             *args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
     return dx

@@ -286,12 +286,18 @@ def _fq_autograd(ctx, grad, _grad_mask):
         dx, dq = call(fake_quantize_lsq_backward, grad, x, scale, zero_point, *ctx.args, ctx.grad_factor)
         zp_dtype = zero_point.dtype if zero_point.is_floating_point() else torch.float32
         dx = dx if need_x else None
-        dscale = dq[0].to(scale.dtype).reshape(scale.shape) if need_scale else None
-        dzp = dq[1].to(zp_dtype).reshape(zero_point.shape) if need_zp else None
+        dscale = _like(dq[0], scale.dtype, scale.shape) if need_scale else None
+        dzp = _like(dq[1], zp_dtype, zero_point.shape) if need_zp else None
     elif need_x:
         (mask,) = ctx.saved_tensors
         dx = call(fake_quantize_backward, grad, mask, *ctx.args[2:])
     return dx, dscale, dzp, None, None, None, None, None
+
+
+def _like(t: Tensor, dtype: torch.dtype, shape) -> Tensor:
+    """t in dtype and shape, skipping the no-op conversions (each a few microseconds of host time)."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.shape == shape else t.reshape(shape)
 
 
 register_autograd(fake_quantize, _fq_autograd, _fq_setup_context)
