@@ -167,7 +167,7 @@ def test_direct_launch_equals_tritons():
     (Triton's run is disabled to prove it); misaligned views, n of 1 and of a multiple of 16 compile anew."""
     x = torch.randn(1024, device="cuda")
     out = torch.empty(1024, device="cuda")
-    for offset, n in [(0, 1000), (1, 999), (0, 16), (0, 1), (3, 17)]:
+    for offset, n in [(0, 1000), (1, 999), (0, 16), (0, 1), (3, 32)]:
         src, dst = x[offset:offset + n], out[offset:offset + n]
         dst.zero_()
         kernels.launch(_scale_kernel, (kernels.cdiv(n, 128),), src, dst, n, 2.5, BLOCK=128)
