@@ -210,7 +210,8 @@ def test_learnable_per_tensor_matches_torch(backend, grad_factor):
 @pytest.mark.parametrize("grad_factor", [1.0, 0.37])
 def test_learnable_per_channel_matches_torch(backend, grad_factor):
     gen = torch.Generator().manual_seed(4)
-    for shape in [(6, 35), (3, 5, 17), (4, 2, 3, 9)]:
+    # (2, 9000): rows longer than one program's block (partial sums summed) along axis 0, one partial along axis 1
+    for shape in [(6, 35), (3, 5, 17), (4, 2, 3, 9), (2, 9000)]:
         for axis in range(len(shape)):
             qmin, qmax = [(-128, 127), (-8, 7), (-20, 60)][axis % 3]
             scale, zp = _random_qparams((shape[axis],), qmin, qmax, integer_zp=False)
@@ -621,7 +622,8 @@ def test_cuda_bit_exact_with_torch(dtype):
 def test_cuda_learnable_matches_torch():
     torch.manual_seed(11)
     for shape, axis, (qmin, qmax) in [((300, 517), None, (-128, 127)), ((128, 1000), 0, (-8, 7)),
-                                      ((96, 700), 1, (-128, 127))]:
+                                      ((96, 700), 1, (-128, 127)), ((8, 6000), 0, (-128, 127)),
+                                      ((4, 20000), 0, (-8, 7))]:
         if axis is None:
             scale, zp = torch.rand(1) * 0.1 + 0.01, torch.tensor([2.6])
             stock = lambda t, s, z: torch._fake_quantize_learnable_per_tensor_affine(t, s, z, qmin, qmax, 0.5)  # noqa: E731,B023

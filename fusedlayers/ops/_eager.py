@@ -44,18 +44,22 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     _AUTOGRAD[op] = (backward, setup_context)
 
 
-def _needs_dispatcher(args) -> bool:
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active()):
-        return True
-    return any(isinstance(a, Tensor) and type(a) not in _PLAIN_TYPES for a in args)
+def _modes_active() -> bool:
+    return bool(torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active())
 
 
 def call(op, *args):
     """``op(*args)`` (all arguments positional), skipping the dispatcher where nothing can tell."""
-    if torch.compiler.is_compiling() or not enabled or _needs_dispatcher(args):
+    if not enabled or torch.compiler.is_compiling() or _modes_active():
         return op(*args)
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+    needs_grad = False
+    for a in args:  # one pass: every call of every op runs this
+        if isinstance(a, Tensor):
+            if type(a) not in _PLAIN_TYPES:  # a tensor subclass dispatches on its own
+                return op(*args)
+            needs_grad = needs_grad or a.requires_grad
+    if needs_grad and torch.is_grad_enabled():
         if op not in _AUTOGRAD:  # e.g. a backward op under double backward: the dispatcher's error, not no grad
             return op(*args)
         return _EagerOp.apply(*args, op)
