@@ -271,10 +271,10 @@ def _fq_dynamic_looped_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _tile_config(M: int, N: int, max_block_n: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): about TILE_ELEMENTS elements per program (rows up to ``max_block_n`` whole),
-    rows a multiple of 8 wide (a whole number of mask bytes)."""
-    block_n = max(8, min(next_power_of_2(max(N, 1)), max_block_n or TILE_ELEMENTS))
+def _tile_config(M: int, N: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): about TILE_ELEMENTS elements per program, rows a multiple of 8 wide
+    (a whole number of mask bytes)."""
+    block_n = max(8, min(next_power_of_2(max(N, 1)), TILE_ELEMENTS))
     block_m = min(next_power_of_2(max(M, 1)), max(1, TILE_ELEMENTS // block_n))
     num_warps = 4 if block_m * block_n <= 1024 else 8
     return block_m, block_n, num_warps
@@ -352,8 +352,9 @@ def fake_quantize_lsq_backward(
     M, N, C, qp_mode = layout
     if dx.numel() == 0:
         return dx, torch.zeros(2, C, dtype=torch.float32, device=x.device)
-    # Per-row qparams: a row up to twice the tile in one program, so that the partial sums are the sums.
-    block_m, block_n, num_warps = _tile_config(M, N, 2 * TILE_ELEMENTS if qp_mode == PER_ROW else None)
+    # (Rows of 8192 elements in one program, so that no reduction runs, measured 0.835 of copy on an H200
+    # against 1.003 for two programs of 4096: the reduction of the partial sums costs less than that.)
+    block_m, block_n, num_warps = _tile_config(M, N)
     grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
     part_shape = {PER_TENSOR: (grid_m * grid_n,), PER_ROW: (grid_n, M), PER_COL: (grid_m, N)}[qp_mode]
     parts = torch.empty((2, *part_shape), dtype=torch.float32, device=x.device)  # scale's, zero point's
