@@ -60,27 +60,40 @@ def test_softmax_triton_kernel(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_softmax_triton_long_rows(dtype):
-    """Rows past MAX_ONE_PASS_COLS: the looped forward, the split backward (9 blocks here)."""
+    """Rows past 64K: the split forward (5 or 9 parts here), the split backward (9 blocks)."""
     x = torch.randn(3, 65536 + 123, dtype=dtype) * 4
-    assert kernels.kernel_for(x.shape[-1], backward=False) == "looped"
+    assert kernels.kernel_for(x.shape[-1], False, x.device, x.element_size()) == "split"
     assert kernels.kernel_for(x.shape[-1], backward=True) == "split"
     with fl.use_backend("triton"):
         _check_softmax(x, -1)
 
 
-def test_kernel_for_row_lengths():
+def test_kernel_for_row_lengths(monkeypatch):
     for backward in (False, True):
         assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS, backward) == "one_pass"
-    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1, backward=False) == "looped"
     assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1, backward=True) == "split"
     assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT, backward=True) == "split"
     assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT + 1, backward=True) == "looped"
+    # forward: looped up to SPLIT_FORWARD_FROM, split up to MAX_SPLIT parts (of the dtype's size), looped beyond
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1, backward=False) == "looped"
+    assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM - 1, backward=False) == "looped"
+    assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM, backward=False) == "split"
+    longest = kernels.SPLIT_FORWARD_PART * kernels.MAX_SPLIT
+    assert kernels.kernel_for(longest, False, element_size=2) == "split"
+    assert kernels.kernel_for(longest + 1, False, element_size=2) == "looped"
+    assert kernels.kernel_for(longest // 2 + 1, False, element_size=4) == "looped"
+    # 64K rows: split on the GPUs listed in SPLIT_FORWARD_FROM_ON, looped elsewhere
+    cuda = torch.device("cuda")
+    for name, kernel in (("NVIDIA H200", "split"), ("NVIDIA H100 80GB HBM3", "looped"), ("", "looped")):
+        monkeypatch.setattr(kernels, "_device_name", lambda device, name=name: name)
+        assert kernels.kernel_for(65536, False, cuda) == kernel, name
 
 
 def small_blocks(monkeypatch, block_n: int) -> None:
     """Split and looped kernels with tiny blocks, so small rows take several blocks or loop trips; persistent
     grids too."""
     monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", block_n)
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_PART", block_n)
     monkeypatch.setattr(kernels, "LOOP_FORWARD", kernels.LOOP_FORWARD._replace(block_n=block_n, programs_per_sm=0))
     monkeypatch.setattr(kernels, "LOOP_BACKWARD", kernels.LOOP_BACKWARD._replace(block_n=block_n, programs_per_sm=1))
 
@@ -90,16 +103,18 @@ def long_rows(monkeypatch, kernel: str, block_n: int) -> None:
     small_blocks(monkeypatch, block_n)
     monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", block_n)
     monkeypatch.setattr(kernels, "MAX_SPLIT", 10**6 if kernel == "split" else 0)
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_FROM", block_n + 1)
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_FROM_ON", {})
 
 
 @pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
 def test_softmax_kernels_direct(monkeypatch, kernel):
     """Every kernel shape on odd sizes; several blocks or loop trips for split and looped (small blocks).
-    The split kernel is the backward's only."""
+    """
     small_blocks(monkeypatch, 16)
     for n in (1, 5, 16, 47, 100):
         x = torch.randn(7, n) * 5
-        y = kernels.softmax_forward(x, torch.float32, kernel="one_pass" if kernel == "split" else kernel)
+        y = kernels.softmax_forward(x, torch.float32, kernel=kernel)
         torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
         g = torch.randn(7, n)
         dx = kernels.softmax_backward(g, y, 0.5, torch.float32, kernel=kernel)
@@ -441,19 +456,20 @@ def test_cuda_scaled_masked_softmax(dtype, case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["split", "looped"])
 def test_cuda_long_row_kernels(kernel, monkeypatch):
-    """Each long-row backward forced, after the looped forward: split with up to 32 blocks per row and thousands of
-    programs (the cooperative barrier under load), looped on rows the split kernel would take."""
+    """Each long-row kernel forced, forward and backward: split with up to 32 parts per row and thousands of
+    programs (the cooperative barrier under load), looped on rows the split kernels would take."""
     monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", 256)
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_PART", 512)  # 256 fp32 columns
     for n_rows, n_cols in ((4096, 256 * 31 + 5), (3, 8100)):
         x = torch.randn(n_rows, n_cols, device="cuda") * 4
-        y = kernels.softmax_forward(x, x.dtype, kernel="looped")
+        y = kernels.softmax_forward(x, x.dtype, kernel=kernel)
         torch.testing.assert_close(y, torch.softmax(x.double(), -1).float(), atol=1e-6, rtol=1e-4)
         g = torch.randn_like(x)
         dx = kernels.softmax_backward(g, y, 0.5, x.dtype, kernel=kernel)
         expect = 0.5 * y.double() * (g.double() - (g.double() * y.double()).sum(-1, keepdim=True))
         torch.testing.assert_close(dx, expect.float(), atol=1e-6, rtol=1e-4)
     scores = torch.randn(2, 3, 300, 20000, device="cuda")
-    y = kernels.softmax_forward(scores, scores.dtype, 0.5, None, True, True, kernel="looped")
+    y = kernels.softmax_forward(scores, scores.dtype, 0.5, None, True, True, kernel=kernel)
     keep = torch.ones(300, 20000, dtype=torch.bool, device="cuda").tril()
     torch.testing.assert_close(y, torch.softmax((scores.double() * 0.5).masked_fill(~keep, float("-inf")), -1).float(),
                                atol=1e-6, rtol=1e-4)

@@ -5,15 +5,17 @@ accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
   once and written once (2 tensors moved forward, 3 backward).
-- split (backward): for rows past one program's registers (over 32K elements). SPLIT cooperating
-  programs each hold one block of the row, publish their block's part of sum(grad * out) to a small
-  fp32 buffer, wait at a per-row barrier for the others', and write their block: each element is
-  still read once. On the GPU the SPLIT programs of a row must run at the same time: programs take
-  their block from a ticket counter (an atomic), so a program only ever waits for blocks already
-  taken by running programs, and SPLIT is capped far below the resident programs of one GPU. The
-  interpreter runs programs one after another, so there the same kernel runs in two launches
-  (partial sums, then output) instead of waiting. (A split forward measured slower than the looped
-  one at every length on an H100 and an H200: benchmarks/results/h100-softmax.md, h200-softmax.md.)
+- split: for rows past one program's registers (over 32K elements). SPLIT cooperating programs each
+  own one part of the row, publish what the row needs from it to a small fp32 buffer, wait at a
+  per-row barrier for the others', and write their part. Backward: each holds its block in registers
+  and publishes its part of sum(grad * out), so each element is still read once. Forward (the longest
+  rows, and 64K on GPUs that measured faster so): each sweeps its part for a running max and sum,
+  publishes the pair, and after the barrier re-reads its part (from L2) to write it; short parts keep
+  the rows in flight within L2. On the GPU the SPLIT programs of a row must run at the same time:
+  programs take their part from a ticket counter (an atomic), so a program only ever waits for parts
+  already taken by running programs, and SPLIT is capped far below the resident programs of one GPU.
+  The interpreter runs programs one after another, so there the same kernel runs in two launches
+  (partial results, then output) instead of waiting.
 - looped: for rows too long for either. The forward keeps a running max and sum (online
   softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward sums
   grad * out in a first sweep and writes the gradient in a second. One program owns one row, so
@@ -43,6 +45,14 @@ MAX_ONE_PASS_COLS = 32768
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
 MAX_SPLIT = 32
+# The forward splits rows from SPLIT_FORWARD_FROM columns (65537 unless the GPU is in SPLIT_FORWARD_FROM_ON) into
+# parts of SPLIT_FORWARD_PART columns (16-bit input; fp32 half: same bytes), at most MAX_SPLIT. Measured, bf16, kernels
+# alone, fraction of copy (benchmarks/results/h200-softmax.md): at 65536 columns looped 0.75 / split 0.79 on an H200
+# but 0.92 / 0.87 on an H100; at 131072 looped 0.69 / 0.77 and split 0.78 / 0.86.
+SPLIT_FORWARD_FROM = MAX_ONE_PASS_COLS * 2 + 1
+SPLIT_FORWARD_FROM_ON = {"H200": MAX_ONE_PASS_COLS * 2}
+SPLIT_FORWARD_PART = 16384
+SPLIT_FORWARD_WARPS = 4
 
 
 class LoopConfig(NamedTuple):
@@ -281,6 +291,62 @@ def _softmax_bwd_split_kernel(
         tl.store(dx_ptr + r * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _softmax_fwd_split_kernel(
+    x_ptr, y_ptr, mask_ptr, stats_ptr, sync_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, ZERO_EMPTY_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PHASE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Each program owns PART columns of a row: one sweep for their running max and sum (the looped kernel's first
+    sweep), published as a (max, sum) pair; after the row barrier the SPLIT pairs combine into the row's, and a
+    second sweep (from L2) writes the part. Short parts keep the rows in flight within L2 on GPUs whose bandwidth
+    wants more programs in flight than one per row gives."""
+    row, part = _split_block(sync_ptr, n_rows, SPLIT, PHASE)
+    rows = row + tl.arange(0, 1)
+    stats = stats_ptr + row.to(tl.int64) * (2 * SPLIT)
+    first = part * PART
+    if PHASE != 2:
+        m = tl.full((1,), float("-inf"), tl.float32)
+        s = tl.zeros((1,), tl.float32)
+        for start in tl.range(first, first + PART, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            z, inside = _scores_tile(
+                x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+                mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+                "evict_last",
+            )
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # s stays 0 while everything seen is -inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
+            m = m_new
+        tl.store(stats + part + tl.arange(0, 1), m)
+        tl.store(stats + SPLIT + part + tl.arange(0, 1), s)
+    if PHASE == 0:
+        _row_barrier(sync_ptr + row, SPLIT)
+    if PHASE != 1:
+        parts = tl.arange(0, SPLIT_P2)
+        maxes = tl.load(stats + parts, mask=parts < SPLIT, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(stats + SPLIT + parts, mask=parts < SPLIT, other=0.0, cache_modifier=".cg")
+        row_max = tl.max(maxes, axis=0)
+        denom = tl.sum(tl.where(maxes == float("-inf"), 0.0, sums * tl.exp(maxes - row_max)), axis=0)
+        if ZERO_EMPTY_ROWS:
+            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+            denom = tl.where(denom == 0.0, 1.0, denom)
+        inv = 1.0 / denom
+        last = PART // BLOCK_N - 1
+        for step in tl.range(0, last + 1):  # last block first, as the looped kernel
+            cols = first + (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
+            z, inside = _scores_tile(
+                x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
+                mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
+                "evict_first",
+            )
+            y = tl.exp(z - row_max) * inv
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=inside, eviction_policy="evict_first")
+
+
 def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
     """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
     n_rows, n_cols = out2.shape
@@ -294,6 +360,37 @@ def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale:
             g2, out2, dx, partial_sums, sync, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale),
             **meta, PHASE=phase,
         )
+
+
+def _split_forward_part(element_size: int) -> int:
+    return SPLIT_FORWARD_PART * 2 // max(element_size, 2)
+
+
+def _split_forward_launch(x2: torch.Tensor, args: tuple, common: dict) -> None:
+    """The split forward over the (rows, cols) view ``x2``: cooperatively on the GPU, in two phases elsewhere.
+    ``args``: the forward kernels' arguments after (x, y, mask) and before (n_rows, ...)."""
+    n_rows, n_cols = x2.shape
+    part = min(_split_forward_part(x2.element_size()), next_power_of_2(n_cols))
+    split = cdiv(n_cols, part)
+    stats = torch.empty(n_rows * 2 * split, dtype=torch.float32, device=x2.device)  # (max, sum) per part
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=x2.device)  # arrivals per row, then the ticket
+    x_arg, y_arg, mask_arg, *rest = args
+    meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), PART=part, BLOCK_N=max(part // 2, 1),
+                num_warps=SPLIT_FORWARD_WARPS)
+    for phase in (0,) if x2.is_cuda else (1, 2):
+        launch(_softmax_fwd_split_kernel, (n_rows * split,), x_arg, y_arg, mask_arg, stats, sync, *rest, **common,
+               **meta, PHASE=phase)
+
+
+def _split_forward_from(device: torch.device) -> int:
+    """Row length from which the forward splits rows on ``device`` (see SPLIT_FORWARD_FROM_ON)."""
+    name = _device_name(device)
+    return next((cols for key, cols in SPLIT_FORWARD_FROM_ON.items() if key in name), SPLIT_FORWARD_FROM)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
 @functools.cache
@@ -339,11 +436,16 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
     return m4, (m4.shape[1], *m4.stride())
 
 
-def kernel_for(n_cols: int, backward: bool) -> str:
-    """Which kernel shape runs rows of ``n_cols``: "one_pass", "split" (backward only) or "looped"."""
+def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, element_size: int = 2) -> str:
+    """Which kernel shape runs rows of ``n_cols`` (of ``element_size`` bytes, on ``device``): "one_pass", "split" or
+    "looped"."""
     if n_cols <= MAX_ONE_PASS_COLS:
         return "one_pass"
-    return "split" if backward and cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
+    if backward:
+        return "split" if cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
+    split_from = _split_forward_from(device) if device is not None else SPLIT_FORWARD_FROM
+    fits = cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT
+    return "split" if n_cols >= split_from and fits else "looped"
 
 
 def softmax_forward(
@@ -353,7 +455,7 @@ def softmax_forward(
     """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
 
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
-    floating. ``kernel`` forces a kernel shape, "one_pass" or "looped" (None: ``kernel_for`` the row length).
+    floating. ``kernel`` forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row).
     """
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -368,10 +470,12 @@ def softmax_forward(
         IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,
     )
     args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
-    kernel = kernel or kernel_for(n_cols, backward=False)
-    if kernel not in ("one_pass", "looped"):
-        raise ValueError(f"kernel must be 'one_pass' or 'looped' for the forward, got {kernel!r}")
-    if kernel == "looped":
+    kernel = kernel or kernel_for(n_cols, False, x.device, x.element_size())
+    if kernel not in ("one_pass", "split", "looped"):
+        raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
+    if kernel == "split":
+        _split_forward_launch(x2, args, common)
+    elif kernel == "looped":
         grid, options = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         launch(_softmax_fwd_looped_kernel, grid, *args, **common, **options)
     else:
