@@ -309,8 +309,8 @@ def _softmax_fwd_split_kernel(
     if PHASE != 2:
         m = tl.full((1,), float("-inf"), tl.float32)
         s = tl.zeros((1,), tl.float32)
-        for start in tl.range(first, first + PART, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
+        for step in tl.static_range(PART // BLOCK_N):  # unrolled: the part's loads are issued together
+            cols = first + step * BLOCK_N + tl.arange(0, BLOCK_N)
             z, inside = _scores_tile(
                 x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
                 mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
@@ -334,9 +334,8 @@ def _softmax_fwd_split_kernel(
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
             denom = tl.where(denom == 0.0, 1.0, denom)
         inv = 1.0 / denom
-        last = PART // BLOCK_N - 1
-        for step in tl.range(0, last + 1):  # last block first, as the looped kernel
-            cols = first + (last - step) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for step in tl.static_range(PART // BLOCK_N):  # last block first, as the looped kernel
+            cols = first + (PART // BLOCK_N - 1 - step) * BLOCK_N + tl.arange(0, BLOCK_N)
             z, inside = _scores_tile(
                 x_ptr, mask_ptr, rows, cols, n_rows, n_cols, stride_xr, stride_xc,
                 mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL,
