@@ -253,6 +253,24 @@ def test_scaled_masked_softmax_long_rows(backend, kernel, monkeypatch):
         _check_masked(scores, 0.5, torch.randn(2, 1, 40, 100), False)
 
 
+def test_split_forward_general_path(monkeypatch):
+    """The split forward on masked, causal and scaled rows, forced (by itself the launcher sends them to the looped
+    kernel, whose general path measured faster), and on strided rows."""
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_PART", 64)  # 32 fp32 columns: 4 parts of 100
+    scores = torch.randn(2, 2, 40, 100)
+    bool_mask = _keep_diagonal(torch.rand(40, 100) > 0.5)
+    float_mask = torch.randn(2, 1, 40, 100)
+    for scale, mask, causal in ((0.5, bool_mask, True), (-1.5, float_mask, False), (0.25, None, False)):
+        expanded = mask.expand_as(scores) if mask is not None else None
+        y = kernels.softmax_forward(scores, scores.dtype, scale, expanded, causal, True, kernel="split")
+        ref = _stock_masked(scores.double(), scale, mask.double() if mask is not None and mask.is_floating_point()
+                            else mask, causal)
+        torch.testing.assert_close(y, ref.float(), atol=1e-6, rtol=1e-5)
+    strided = torch.randn(100, 30).T  # rows of 100 with column stride 30
+    torch.testing.assert_close(kernels.softmax_forward(strided, strided.dtype, kernel="split"),
+                               torch.softmax(strided, -1), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("kernel", ["one_pass", "split", "looped"])
 def test_fully_masked_rows_give_zeros(backend, kernel, monkeypatch):
