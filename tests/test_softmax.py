@@ -491,8 +491,6 @@ def test_cuda_long_row_kernels(kernel, monkeypatch):
     keep = torch.ones(300, 20000, dtype=torch.bool, device="cuda").tril()
     torch.testing.assert_close(y, torch.softmax((scores.double() * 0.5).masked_fill(~keep, float("-inf")), -1).float(),
                                atol=1e-6, rtol=1e-4)
-    # the split kernels leave the tickets and row counters they share at zero, ready for the next launch
-    assert not kernels.zeroed_counters(scores.device, 1).any()
 
 
 @pytest.mark.cuda

@@ -251,8 +251,6 @@ def _split_block(sync_ptr, n_rows, SPLIT: tl.constexpr, PHASE: tl.constexpr):
     every block a program waits for is held by a program already running."""
     if PHASE == 0:
         block = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed")
-        if block == n_rows * SPLIT - 1:  # the last ticket: every program has taken its own, so back to 0
-            tl.atomic_xchg(sync_ptr + n_rows, 0, sem="relaxed")
     else:
         block = tl.program_id(0)
     return block // SPLIT, block % SPLIT
@@ -269,14 +267,6 @@ def _row_barrier(counter_ptr, SPLIT: tl.constexpr):
     while arrived < SPLIT:
         arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _row_release(counter_ptr, SPLIT: tl.constexpr):
-    """Leave a row's barrier: the last of its SPLIT programs to leave (every one has passed the wait) sets the
-    counter back to 0, so the split kernels leave their counters zeroed and need no memset before a launch."""
-    if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == 2 * SPLIT - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -297,8 +287,6 @@ def _softmax_bwd_split_kernel(
     if PHASE != 1:
         parts = tl.arange(0, SPLIT_P2)
         dot = tl.sum(tl.load(stats_ptr + r * SPLIT + parts, mask=parts < SPLIT, other=0.0, cache_modifier=".cg"))
-        if PHASE == 0:
-            _row_release(sync_ptr + row, SPLIT)
         dx = scale * y * (g - dot)
         tl.store(dx_ptr + r * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
@@ -362,8 +350,6 @@ def _softmax_fwd_split_kernel(
         parts = tl.arange(0, SPLIT_P2)
         maxes = tl.load(stats + parts, mask=parts < SPLIT, other=float("-inf"), cache_modifier=".cg")
         sums = tl.load(stats + SPLIT + parts, mask=parts < SPLIT, other=0.0, cache_modifier=".cg")
-        if PHASE == 0:
-            _row_release(sync_ptr + row, SPLIT)
         row_max = tl.max(maxes, axis=0)
         denom = tl.sum(tl.where(maxes == float("-inf"), 0.0, sums * tl.exp(maxes - row_max)), axis=0)
         if ZERO_EMPTY_ROWS:
@@ -383,33 +369,13 @@ def _softmax_fwd_split_kernel(
                      eviction_policy="evict_first")
 
 
-_counters: dict = {}  # (device, stream) -> int32 counters, zero between launches of the split kernels
-_retired_counters: list = []  # outgrown ones, kept: a captured CUDA graph may still use them
-
-
-def zeroed_counters(device: torch.device, size: int) -> torch.Tensor:
-    """At least ``size`` int32 zeros for the split kernels' tickets and row barriers. On the GPU one buffer per
-    stream, reused: the kernels set every counter back to 0 (_split_block, _row_release), which saves a memset
-    launch per call (~1% of a 64K-column forward on an H200). Elsewhere a new buffer (the two-phase launches)."""
-    if device.type != "cuda":
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < size:
-        if counters is not None:
-            _retired_counters.append(counters)
-            size = max(size, 2 * counters.numel())
-        counters = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
-
-
 def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
     """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
     n_rows, n_cols = out2.shape
     block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
     split = cdiv(n_cols, block_n)
     partial_sums = torch.empty(n_rows * split, dtype=torch.float32, device=out2.device)
-    sync = zeroed_counters(out2.device, n_rows + 1)  # arrivals per row, then the ticket
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=out2.device)  # arrivals per row, then the ticket
     meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
     for phase in (0,) if out2.is_cuda else (1, 2):
         launch(_softmax_bwd_split_kernel, (n_rows * split,),
@@ -429,7 +395,7 @@ def _split_forward_launch(x2: torch.Tensor, args: tuple, common: dict) -> None:
     part = min(_split_forward_part(x2.element_size()), next_power_of_2(n_cols))
     split = cdiv(n_cols, part)
     stats = torch.empty(n_rows * 2 * split, dtype=torch.float32, device=x2.device)  # (max, sum) per part
-    sync = zeroed_counters(x2.device, n_rows + 1)  # arrivals per row, then the ticket
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=x2.device)  # arrivals per row, then the ticket
     x_arg, y_arg, mask_arg, *rest = args
     meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), PART=part, BLOCK_N=max(part // 2, 1),
                 PLAIN=_plain(x2, common, args[-1]), num_warps=SPLIT_FORWARD_WARPS)
