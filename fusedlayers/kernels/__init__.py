@@ -27,12 +27,14 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     small steps wait for. The lookup key is at least as fine as Triton's specialization (each tensor's dtype and
     16-byte alignment; each int's ==1, %16 and 32/64-bit range; the type of everything else; the constexprs and
     options by value), so it can only miss where Triton would hit, never hit where Triton would compile anew.
-    Under the interpreter, with launch hooks set (a profiler) or pre-run hooks, the call goes through Triton.
+    Under the interpreter, with launch hooks set (a profiler) or pre-run hooks, the call goes through Triton. Not
+    repeated: Triton's check that the globals a kernel read did not change since it was compiled (ours read
+    constants only).
     """
     fast = _direct_launchers.get(kernel)
     if fast is None:
         fast = _direct_launchers[kernel] = _DirectLauncher.for_kernel(kernel)
-    if fast is False or not _no_launch_hooks():
+    if fast is False or kernel.pre_run_hooks or not _no_launch_hooks():
         kernel[grid](*args, **meta)
         return
     fast(grid, args, meta)
@@ -67,7 +69,7 @@ class _DirectLauncher:
 
     @classmethod
     def for_kernel(cls, kernel):
-        if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:  # the interpreter, an autotuner
+        if not isinstance(kernel, JITFunction):  # the interpreter, an autotuner
             return False
         return cls(kernel)
 

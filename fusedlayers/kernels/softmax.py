@@ -38,9 +38,10 @@ import triton.language as tl
 
 from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
-# Rows up to this many columns run the one-pass kernels. Longer rows: the forward runs the looped kernel;
-# the backward runs the split kernel, in at most MAX_SPLIT blocks of SPLIT_BLOCK_N columns, and the
-# looped one beyond. Measured on an H100, bf16 (benchmarks/results/h100-softmax.md, tuning notes).
+# Rows up to this many columns run the one-pass kernels. Longer rows: the forward runs the looped kernel (the
+# split one from SPLIT_FORWARD_FROM, below); the backward runs the split kernel, in at most MAX_SPLIT blocks of
+# SPLIT_BLOCK_N columns, and the looped one beyond. Measured on an H100, bf16 (benchmarks/results/h100-softmax.md,
+# tuning notes).
 MAX_ONE_PASS_COLS = 32768
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
@@ -390,7 +391,8 @@ def _split_forward_part(element_size: int) -> int:
 
 def _split_forward_launch(x2: torch.Tensor, args: tuple, common: dict) -> None:
     """The split forward over the (rows, cols) view ``x2``: cooperatively on the GPU, in two phases elsewhere.
-    ``args``: the forward kernels' arguments after (x, y, mask) and before (n_rows, ...)."""
+    ``args``: the forward kernels' arguments (x, y, mask, n_rows, ...); the split kernel takes its (max, sum) buffer
+    and counters after the mask."""
     n_rows, n_cols = x2.shape
     part = min(_split_forward_part(x2.element_size()), next_power_of_2(n_cols))
     split = cdiv(n_cols, part)
