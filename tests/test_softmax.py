@@ -89,6 +89,18 @@ def test_kernel_for_row_lengths(monkeypatch):
         assert kernels.kernel_for(65536, False, cuda) == kernel, name
 
 
+def test_split_counters_bookkeeping():
+    """What SplitCounters hands out is zero wherever a launch of that many rows reads, if each launch zeroes the
+    other buffer's first n_rows + 1 entries (as the kernels do) and dirties its own."""
+    counters = kernels.SplitCounters(torch.device("cpu"))
+    for n_rows in (3, 3, 10, 2, 2, 50, 49, 1, 80, 7, 7, 7):
+        mine, other = counters.take(n_rows)
+        assert mine.data_ptr() != other.data_ptr() and min(mine.numel(), other.numel()) >= n_rows + 1
+        assert (mine[: n_rows + 1] == 0).all(), n_rows
+        mine[: n_rows + 1] = 1 + torch.arange(n_rows + 1, dtype=torch.int32)  # arrivals and the ticket
+        other[: n_rows + 1] = 0
+
+
 def small_blocks(monkeypatch, block_n: int) -> None:
     """Split and looped kernels with tiny blocks, so small rows take several blocks or loop trips; persistent
     grids too."""
@@ -491,6 +503,39 @@ def test_cuda_long_row_kernels(kernel, monkeypatch):
     keep = torch.ones(300, 20000, dtype=torch.bool, device="cuda").tril()
     torch.testing.assert_close(y, torch.softmax((scores.double() * 0.5).masked_fill(~keep, float("-inf")), -1).float(),
                                atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_split_counters_between_launches(monkeypatch):
+    """The split kernels' counters stay correct without a memset per launch: forward and backward launches of
+    growing and shrinking row counts take turns, on the default stream and a side stream, and a CUDA graph of a
+    split forward replays correctly between eager launches (its counters are its own)."""
+    monkeypatch.setattr(kernels, "SPLIT_BLOCK_N", 256)
+    monkeypatch.setattr(kernels, "SPLIT_FORWARD_PART", 512)  # 256 fp32 columns: 8 parts per row
+
+    def check(n_rows):
+        x = torch.randn(n_rows, 2000, device="cuda") * 4
+        y = kernels.softmax_forward(x, x.dtype, kernel="split")
+        torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-4)
+        g = torch.randn_like(x)
+        dx = kernels.softmax_backward(g, y, 1.0, x.dtype, kernel="split")
+        torch.testing.assert_close(dx, y * (g - (g * y).sum(-1, keepdim=True)), atol=1e-6, rtol=1e-4)
+
+    side = torch.cuda.Stream()
+    for n_rows in (5, 300, 7, 4096, 4096, 1, 2000, 64, 3000):
+        check(n_rows)
+        with torch.cuda.stream(side):
+            check(n_rows + 11)
+        torch.cuda.current_stream().wait_stream(side)
+    x = torch.randn(700, 2000, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.softmax_forward(x, x.dtype, kernel="split")
+    for n_rows in (900, 10, 700):
+        x.copy_(torch.randn_like(x) * 3)
+        graph.replay()
+        torch.testing.assert_close(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-4)
+        check(n_rows)
 
 
 @pytest.mark.cuda
