@@ -82,11 +82,17 @@ def test_kernel_for_row_lengths(monkeypatch):
     assert kernels.kernel_for(longest, False, element_size=2) == "split"
     assert kernels.kernel_for(longest + 1, False, element_size=2) == "looped"
     assert kernels.kernel_for(longest // 2 + 1, False, element_size=4) == "looped"
-    # 64K rows: split on the GPUs listed in SPLIT_FORWARD_FROM_ON, looped elsewhere
+    assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM, False, plain=False) == "looped"  # masked / scaled rows
+    # 32K and 64K rows: split on the GPUs listed in SPLIT_FORWARD_FROM_ON, one-pass / looped elsewhere
     cuda = torch.device("cuda")
-    for name, kernel in (("NVIDIA H200", "split"), ("NVIDIA H100 80GB HBM3", "looped"), ("", "looped")):
+    for name, at_32k, at_64k in (("NVIDIA H200", "split", "split"), ("NVIDIA H100 80GB HBM3", "one_pass", "looped"),
+                                 ("", "one_pass", "looped")):
         monkeypatch.setattr(kernels, "_device_name", lambda device, name=name: name)
-        assert kernels.kernel_for(65536, False, cuda) == kernel, name
+        assert kernels.kernel_for(32768, False, cuda) == at_32k, name
+        assert kernels.kernel_for(65536, False, cuda) == at_64k, name
+        assert kernels.kernel_for(32767, False, cuda) == "one_pass", name
+        assert kernels.kernel_for(32768, False, cuda, plain=False) == "one_pass", name
+        assert kernels.kernel_for(65536, False, cuda, plain=False) == "looped", name
 
 
 def test_split_counters_bookkeeping():

@@ -47,12 +47,13 @@ MAX_ONE_PASS_COLS = 32768
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
 MAX_SPLIT = 32
-# The forward splits rows from SPLIT_FORWARD_FROM columns (65537 unless the GPU is in SPLIT_FORWARD_FROM_ON) into
-# parts of SPLIT_FORWARD_PART columns (16-bit input; fp32 half: same bytes), at most MAX_SPLIT. Measured, bf16, kernels
-# alone, fraction of copy (benchmarks/results/h200-softmax.md): at 65536 columns looped 0.75 / split 0.79 on an H200
-# but 0.92 / 0.87 on an H100; at 131072 looped 0.69 / 0.77 and split 0.78 / 0.86.
+# The forward splits plain rows from SPLIT_FORWARD_FROM columns (65537 unless the GPU is in SPLIT_FORWARD_FROM_ON)
+# into parts of SPLIT_FORWARD_PART columns (16-bit input; fp32 half: same bytes), at most MAX_SPLIT. Measured, bf16,
+# kernels alone, fraction of copy (benchmarks/results/h200-softmax.md, h100-softmax.md): on an H200 split 0.83 at
+# 32768 and 65536 columns against one-pass 0.77 / looped 0.80; on an H100 (before exp2) looped 0.92 / split 0.87 at
+# 65536; at 131072 split 0.82 / looped 0.69 on the H200, 0.86 / 0.77 on the H100.
 SPLIT_FORWARD_FROM = MAX_ONE_PASS_COLS * 2 + 1
-SPLIT_FORWARD_FROM_ON = {"H200": MAX_ONE_PASS_COLS * 2}
+SPLIT_FORWARD_FROM_ON = {"H200": MAX_ONE_PASS_COLS}
 SPLIT_FORWARD_PART = 16384
 SPLIT_FORWARD_WARPS = 4
 
@@ -527,16 +528,19 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
     return m4, (m4.shape[1], *m4.stride())
 
 
-def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, element_size: int = 2) -> str:
+def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, element_size: int = 2,
+               plain: bool = True) -> str:
     """Which kernel shape runs rows of ``n_cols`` (of ``element_size`` bytes, on ``device``): "one_pass", "split" or
-    "looped"."""
-    if n_cols <= MAX_ONE_PASS_COLS:
-        return "one_pass"
+    "looped". ``plain``: forward rows the split forward loads bare (see ``_plain``); others never split, since the
+    split forward's general path (masks, scale, strides) is its slow one."""
     if backward:
+        if n_cols <= MAX_ONE_PASS_COLS:
+            return "one_pass"
         return "split" if cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
     split_from = _split_forward_from(device) if device is not None else SPLIT_FORWARD_FROM
-    fits = cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT
-    return "split" if n_cols >= split_from and fits else "looped"
+    if plain and n_cols >= split_from and cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT:
+        return "split"
+    return "one_pass" if n_cols <= MAX_ONE_PASS_COLS else "looped"
 
 
 def softmax_forward(
@@ -562,9 +566,7 @@ def softmax_forward(
     )
     args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
     if kernel is None:
-        kernel = kernel_for(n_cols, False, x.device, x.element_size())
-        if kernel == "split" and not _plain(x2, common, scale):
-            kernel = "looped"  # the split forward's general path (masks, scale, strides) is its slow one
+        kernel = kernel_for(n_cols, False, x.device, x.element_size(), _plain(x2, common, scale))
     if kernel not in ("one_pass", "split", "looped"):
         raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
     if kernel == "split":
