@@ -69,13 +69,13 @@ def test_softmax_triton_long_rows(dtype):
 
 
 def test_kernel_for_row_lengths(monkeypatch):
-    for backward in (False, True):
-        assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS, backward) == "one_pass"
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS, backward=True) == "one_pass"
     assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1, backward=True) == "split"
     assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT, backward=True) == "split"
     assert kernels.kernel_for(kernels.SPLIT_BLOCK_N * kernels.MAX_SPLIT + 1, backward=True) == "looped"
     # forward: looped up to SPLIT_FORWARD_FROM, split up to MAX_SPLIT parts (of the dtype's size), looped beyond
-    assert kernels.kernel_for(kernels.MAX_ONE_PASS_COLS + 1, backward=False) == "looped"
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_FORWARD_COLS, backward=False) == "one_pass"
+    assert kernels.kernel_for(kernels.MAX_ONE_PASS_FORWARD_COLS + 1, backward=False) == "looped"
     assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM - 1, backward=False) == "looped"
     assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM, backward=False) == "split"
     longest = kernels.SPLIT_FORWARD_PART * kernels.MAX_SPLIT
@@ -83,16 +83,14 @@ def test_kernel_for_row_lengths(monkeypatch):
     assert kernels.kernel_for(longest + 1, False, element_size=2) == "looped"
     assert kernels.kernel_for(longest // 2 + 1, False, element_size=4) == "looped"
     assert kernels.kernel_for(kernels.SPLIT_FORWARD_FROM, False, plain=False) == "looped"  # masked / scaled rows
-    # 32K and 64K rows: split on the GPUs listed in SPLIT_FORWARD_FROM_ON, one-pass / looped elsewhere
+    # past 16K: split on the GPUs listed in SPLIT_FORWARD_FROM_ON, looped elsewhere (and for rows that are not plain)
     cuda = torch.device("cuda")
-    for name, at_32k, at_64k in (("NVIDIA H200", "split", "split"), ("NVIDIA H100 80GB HBM3", "one_pass", "looped"),
-                                 ("", "one_pass", "looped")):
+    for name, long_rows in (("NVIDIA H200", "split"), ("NVIDIA H100 80GB HBM3", "looped"), ("", "looped")):
         monkeypatch.setattr(kernels, "_device_name", lambda device, name=name: name)
-        assert kernels.kernel_for(32768, False, cuda) == at_32k, name
-        assert kernels.kernel_for(65536, False, cuda) == at_64k, name
-        assert kernels.kernel_for(32767, False, cuda) == "one_pass", name
-        assert kernels.kernel_for(32768, False, cuda, plain=False) == "one_pass", name
-        assert kernels.kernel_for(65536, False, cuda, plain=False) == "looped", name
+        assert kernels.kernel_for(16384, False, cuda) == "one_pass", name
+        for n_cols in (16385, 32768, 65536):
+            assert kernels.kernel_for(n_cols, False, cuda) == long_rows, (name, n_cols)
+            assert kernels.kernel_for(n_cols, False, cuda, plain=False) == "looped", (name, n_cols)
 
 
 def test_split_counters_bookkeeping():
@@ -120,6 +118,7 @@ def long_rows(monkeypatch, kernel: str, block_n: int) -> None:
     """Make rows over ``block_n`` columns run ``kernel`` ("split" or "looped") in blocks of ``block_n``."""
     small_blocks(monkeypatch, block_n)
     monkeypatch.setattr(kernels, "MAX_ONE_PASS_COLS", block_n)
+    monkeypatch.setattr(kernels, "MAX_ONE_PASS_FORWARD_COLS", block_n)
     monkeypatch.setattr(kernels, "MAX_SPLIT", 10**6 if kernel == "split" else 0)
     monkeypatch.setattr(kernels, "SPLIT_FORWARD_FROM", block_n + 1)
     monkeypatch.setattr(kernels, "SPLIT_FORWARD_FROM_ON", {})

@@ -39,21 +39,23 @@ import triton.language as tl
 
 from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
-# Rows up to this many columns run the one-pass kernels. Longer rows: the forward runs the looped kernel (the
-# split one from SPLIT_FORWARD_FROM, below); the backward runs the split kernel, in at most MAX_SPLIT blocks of
-# SPLIT_BLOCK_N columns, and the looped one beyond. Measured on an H100, bf16 (benchmarks/results/h100-softmax.md,
-# tuning notes).
+# Rows up to these many columns run the one-pass kernels: the backward's up to MAX_ONE_PASS_COLS, the forward's up
+# to MAX_ONE_PASS_FORWARD_COLS. Longer rows: the forward runs the looped kernel (the split one from SPLIT_FORWARD_FROM,
+# below); the backward runs the split kernel, in at most MAX_SPLIT blocks of SPLIT_BLOCK_N columns, and the looped
+# one beyond. Measured, bf16, kernels alone, fraction of copy (benchmarks/results/h100-softmax.md, h200-softmax.md):
+# the forward at 20000 / 24576 / 32768 columns one-pass 0.72 / 0.84 / 0.95, looped 0.75 / 0.86 / 0.99 on an H100.
 MAX_ONE_PASS_COLS = 32768
+MAX_ONE_PASS_FORWARD_COLS = 16384
 SPLIT_BLOCK_N = 8192
 SPLIT_WARPS = 8
 MAX_SPLIT = 32
 # The forward splits plain rows from SPLIT_FORWARD_FROM columns (65537 unless the GPU is in SPLIT_FORWARD_FROM_ON)
-# into parts of SPLIT_FORWARD_PART columns (16-bit input; fp32 half: same bytes), at most MAX_SPLIT. Measured, bf16,
-# kernels alone, fraction of copy (benchmarks/results/h200-softmax.md, h100-softmax.md): on an H200 split 0.83 at
-# 32768 and 65536 columns against one-pass 0.77 / looped 0.80; on an H100 (before exp2) looped 0.92 / split 0.87 at
-# 65536; at 131072 split 0.82 / looped 0.69 on the H200, 0.86 / 0.77 on the H100.
+# into parts of SPLIT_FORWARD_PART columns (16-bit input; fp32 half: same bytes), at most MAX_SPLIT. Measured the
+# same way: on an H200 split 0.84 at 32768 and 65536 columns against one-pass 0.77 / looped 0.81; on an H100 looped
+# 0.99 / 0.94 against split 0.89 / 0.89 at 32768 / 65536 (split 0.82 / 0.88 at 20000 / 24576, left on the looped
+# kernel there for one rule per GPU); at 131072 split 0.82 / looped 0.69 on the H200, 0.88 / 0.77 on the H100.
 SPLIT_FORWARD_FROM = MAX_ONE_PASS_COLS * 2 + 1
-SPLIT_FORWARD_FROM_ON = {"H200": MAX_ONE_PASS_COLS}
+SPLIT_FORWARD_FROM_ON = {"H200": MAX_ONE_PASS_FORWARD_COLS + 1}
 SPLIT_FORWARD_PART = 16384
 SPLIT_FORWARD_WARPS = 4
 
@@ -508,10 +510,11 @@ def _one_pass_config(n_cols: int, backward: bool = False) -> tuple[int, int, int
 
     Measured on an H200 and an H100 (benchmarks/results/h200-softmax.md, h100-softmax.md): from 16K elements the
     forward wants 32 warps, the backward 16 (equal at 16K columns; at 32K 0.99 vs 0.97 of copy on the H100, 1.01 vs
-    0.94 on the H200).
+    0.94 on the H200); the forward ~1K elements per program (1024 columns: one row 0.998-1.002 of copy on an H100
+    against two rows 0.990-0.995), the backward ~2K.
     """
     block_n = next_power_of_2(max(n_cols, 1))
-    block_m = max(1, min(16, 2048 // block_n))
+    block_m = max(1, min(16, (2048 if backward else 1024) // block_n))
     elements = block_m * block_n
     num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if backward else 32
     return block_m, block_n, num_warps
@@ -543,7 +546,7 @@ def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, 
     split_from = _split_forward_from(device) if device is not None else SPLIT_FORWARD_FROM
     if plain and n_cols >= split_from and cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT:
         return "split"
-    return "one_pass" if n_cols <= MAX_ONE_PASS_COLS else "looped"
+    return "one_pass" if n_cols <= MAX_ONE_PASS_FORWARD_COLS else "looped"
 
 
 def softmax_forward(
