@@ -131,7 +131,7 @@ def tune(copy_bw: float) -> None:
             if kernel == "split":
                 kernels.SPLIT_WARPS = warps
             elif warps:
-                kernels._one_pass_config = lambda n, backward=False, m=block_m, w=warps: (
+                kernels._one_pass_config = lambda n, backward=False, device=None, m=block_m, w=warps: (
                     m, triton.next_power_of_2(n), w)
             forward = "one_pass" if kernel == "one_pass" else "looped"
             try:

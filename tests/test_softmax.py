@@ -105,6 +105,20 @@ def test_split_counters_bookkeeping():
         other[: n_rows + 1] = 0
 
 
+def test_one_pass_config_per_gpu(monkeypatch):
+    """Rows per one-pass program: ~2K elements (the backward everywhere, the forward on an H200 or unknown GPU),
+    ~1K for the forward on an H100; long rows one per program, with more warps."""
+    cuda = torch.device("cuda")
+    for name, rows_1024 in (("NVIDIA H100 80GB HBM3", 1), ("NVIDIA H200", 2), ("", 2)):
+        monkeypatch.setattr(kernels, "_device_name", lambda device, name=name: name)
+        assert kernels._one_pass_config(1024, device=cuda) == (rows_1024, 1024, 4), name
+        assert kernels._one_pass_config(1000, device=cuda) == (rows_1024, 1024, 4), name
+        assert kernels._one_pass_config(1024, backward=True, device=cuda) == (2, 1024, 4), name
+        assert kernels._one_pass_config(16384, device=cuda) == (1, 16384, 32), name
+        assert kernels._one_pass_config(16384, backward=True, device=cuda) == (1, 16384, 16), name
+    assert kernels._one_pass_config(100) == (16, 128, 4)
+
+
 def small_blocks(monkeypatch, block_n: int) -> None:
     """Split and looped kernels with tiny blocks, so small rows take several blocks or loop trips; persistent
     grids too."""

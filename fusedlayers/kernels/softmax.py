@@ -481,8 +481,13 @@ def _plain(x2: torch.Tensor, common: dict, scale: float) -> bool:
 
 def _split_forward_from(device: torch.device) -> int:
     """Row length from which the forward splits rows on ``device`` (see SPLIT_FORWARD_FROM_ON)."""
-    name = _device_name(device)
-    return next((cols for key, cols in SPLIT_FORWARD_FROM_ON.items() if key in name), SPLIT_FORWARD_FROM)
+    return _on_gpu(device, SPLIT_FORWARD_FROM_ON, SPLIT_FORWARD_FROM)
+
+
+def _on_gpu(device: torch.device | None, per_gpu: dict, default):
+    """The value of ``per_gpu`` whose key is in ``device``'s GPU name, else ``default``."""
+    name = _device_name(device) if device is not None else ""
+    return next((value for key, value in per_gpu.items() if key in name), default)
 
 
 @functools.cache
@@ -505,16 +510,23 @@ def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig
     return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
-def _one_pass_config(n_cols: int, backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels: rows of ~2K-32K elements per program.
+# Elements per one-pass forward program, by GPU (kernels alone, bf16, fraction of copy): at 1024 columns one row per
+# program 1.001 on an H100 against 0.992-0.996 for two, but 0.918-0.925 on an H200 against 0.993-0.999 for two (512
+# columns: 1.00 / 0.99 and 0.93 / 0.99).
+ONE_PASS_FORWARD_ELEMENTS = 2048
+ONE_PASS_FORWARD_ELEMENTS_ON = {"H100": 1024}
+
+
+def _one_pass_config(n_cols: int, backward: bool = False, device: torch.device | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels on ``device``: rows of ~1K-32K elements per program.
 
     Measured on an H200 and an H100 (benchmarks/results/h200-softmax.md, h100-softmax.md): from 16K elements the
     forward wants 32 warps, the backward 16 (equal at 16K columns; at 32K 0.99 vs 0.97 of copy on the H100, 1.01 vs
-    0.94 on the H200); the forward ~1K elements per program (1024 columns: one row 0.998-1.002 of copy on an H100
-    against two rows 0.990-0.995), the backward ~2K.
+    0.94 on the H200); short rows ~2K elements per program (the forward on an H100 ~1K).
     """
     block_n = next_power_of_2(max(n_cols, 1))
-    block_m = max(1, min(16, (2048 if backward else 1024) // block_n))
+    elements = 2048 if backward else _on_gpu(device, ONE_PASS_FORWARD_ELEMENTS_ON, ONE_PASS_FORWARD_ELEMENTS)
+    block_m = max(1, min(16, elements // block_n))
     elements = block_m * block_n
     num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if backward else 32
     return block_m, block_n, num_warps
@@ -543,7 +555,7 @@ def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, 
         if n_cols <= MAX_ONE_PASS_COLS:
             return "one_pass"
         return "split" if cdiv(n_cols, SPLIT_BLOCK_N) <= MAX_SPLIT else "looped"
-    split_from = _split_forward_from(device) if device is not None else SPLIT_FORWARD_FROM
+    split_from = _split_forward_from(device)
     if plain and n_cols >= split_from and cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT:
         return "split"
     return "one_pass" if n_cols <= MAX_ONE_PASS_FORWARD_COLS else "looped"
@@ -581,7 +593,7 @@ def softmax_forward(
         grid, options = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
         launch(_softmax_fwd_looped_kernel, grid, *args, **common, **options)
     else:
-        block_m, block_n, num_warps = _one_pass_config(n_cols)
+        block_m, block_n, num_warps = _one_pass_config(n_cols, device=x.device)
         launch(_softmax_fwd_kernel, (cdiv(n_rows, block_m),),
             *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
         )
