@@ -5,21 +5,22 @@ accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
   once and written once (2 tensors moved forward, 3 backward).
-- split: for rows past one program's registers (over 32K elements). SPLIT cooperating programs each
+- split: for rows past one program's registers (backward: over 32K elements; forward: see
+  SPLIT_FORWARD_FROM). SPLIT cooperating programs each
   own one part of the row, publish what the row needs from it to a small fp32 buffer, wait at a
   per-row barrier for the others', and write their part. Backward: each holds its block in registers
-  and publishes its part of sum(grad * out), so each element is still read once. Forward (the longest
-  rows, and 64K on GPUs that measured faster so): each sweeps its part for a running max and sum,
+  and publishes its part of sum(grad * out), so each element is still read once. Forward (plain rows
+  only: the longest, and past 16K on GPUs that measured faster so): each sweeps its part for a running max and sum,
   publishes the pair, and after the barrier re-reads its part (from L2) to write it; short parts keep
   the rows in flight within L2. On the GPU the SPLIT programs of a row must run at the same time:
   programs take their part from a ticket counter (an atomic), so a program only ever waits for parts
   already taken by running programs, and SPLIT is capped far below the resident programs of one GPU.
   The interpreter runs programs one after another, so there the same kernel runs in two launches
   (partial results, then output) instead of waiting.
-- looped: for rows too long for either. The forward keeps a running max and sum (online
-  softmax) in a first sweep, then a second sweep writes exp(x - max) / sum; the backward sums
-  grad * out in a first sweep and writes the gradient in a second. One program owns one row, so
-  the second sweep re-reads what the first just brought into L2.
+- looped: for forward rows past 16K columns that are not split, and rows too long for either. The
+  forward keeps a running max and sum (online softmax) in a first sweep, then a second sweep writes
+  exp(x - max) / sum; the backward sums grad * out in a first sweep and writes the gradient in a
+  second. One program owns one row, so the second sweep re-reads what the first just brought into L2.
 
 The scaled-masked variant computes softmax(x * scale + mask) where the mask is bool (True = keep) or
 additive float, broadcast to the scores through its strides (stride 0 where it broadcasts), and/or
@@ -436,6 +437,16 @@ def split_counters(device: torch.device, n_rows: int) -> tuple[torch.Tensor, tor
     return counters.take(n_rows)
 
 
+def _launch_split(kernel, n_rows: int, split: int, device: torch.device, before: tuple, after: tuple,
+                  meta: dict) -> None:
+    """Launch a split kernel over ``n_rows`` x ``split`` programs, its counters between the ``before`` and
+    ``after`` arguments: cooperatively on the GPU, in two phases elsewhere."""
+    with _COUNTERS_LOCK:
+        sync, next_sync = split_counters(device, n_rows)
+        for phase in (0,) if device.type == "cuda" else (1, 2):
+            launch(kernel, (n_rows * split,), *before, sync, next_sync, *after, **meta, PHASE=phase)
+
+
 def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
     """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
     n_rows, n_cols = out2.shape
@@ -443,13 +454,8 @@ def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale:
     split = cdiv(n_cols, block_n)
     partial_sums = torch.empty(n_rows * split, dtype=torch.float32, device=out2.device)
     meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
-    with _COUNTERS_LOCK:
-        sync, next_sync = split_counters(out2.device, n_rows)
-        for phase in (0,) if out2.is_cuda else (1, 2):
-            launch(_softmax_bwd_split_kernel, (n_rows * split,),
-                g2, out2, dx, partial_sums, sync, next_sync, n_rows, n_cols, g2.stride(0), g2.stride(1),
-                float(scale), **meta, PHASE=phase,
-            )
+    _launch_split(_softmax_bwd_split_kernel, n_rows, split, out2.device, (g2, out2, dx, partial_sums),
+                  (n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale)), meta)
 
 
 def _split_forward_part(element_size: int) -> int:
@@ -467,11 +473,8 @@ def _split_forward_launch(x2: torch.Tensor, args: tuple, common: dict) -> None:
     x_arg, y_arg, mask_arg, *rest = args
     meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), PART=part, BLOCK_N=max(part // 2, 1),
                 PLAIN=_plain(x2, common, args[-1]), num_warps=SPLIT_FORWARD_WARPS)
-    with _COUNTERS_LOCK:
-        sync, next_sync = split_counters(x2.device, n_rows)
-        for phase in (0,) if x2.is_cuda else (1, 2):
-            launch(_softmax_fwd_split_kernel, (n_rows * split,), x_arg, y_arg, mask_arg, stats, sync, next_sync,
-                   *rest, **common, **meta, PHASE=phase)
+    _launch_split(_softmax_fwd_split_kernel, n_rows, split, x2.device, (x_arg, y_arg, mask_arg, stats), rest,
+                  {**common, **meta})
 
 
 def _plain(x2: torch.Tensor, common: dict, scale: float) -> bool:
