@@ -134,6 +134,7 @@ def tune(copy_bw: float) -> None:
                 kernels._one_pass_config = lambda n, backward=False, device=None, m=block_m, w=warps: (
                     m, triton.next_power_of_2(n), w)
             forward = "one_pass" if kernel == "one_pass" else "looped"
+            kernels.forget_plans()
             try:
                 f = median_ms(lambda: kernels.softmax_forward(x, x.dtype, kernel=forward))
                 b = median_ms(lambda: kernels.softmax_backward(g, y, 1.0, x.dtype, kernel=kernel))
@@ -142,6 +143,7 @@ def tune(copy_bw: float) -> None:
             except Exception as e:  # e.g. out of shared memory
                 result = type(e).__name__
             kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS = shipped
+            kernels.forget_plans()
             print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} rows={block_m} warps={warps}: "
                   f"{result}", flush=True)
 

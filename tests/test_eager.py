@@ -141,7 +141,9 @@ def _scale_kernel(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr):
 
 def test_launch_keys_cover_tritons_specialization():
     """Whatever Triton specializes a compiled kernel on must change the key of the direct launch."""
-    key = kernels._arg_key
+    def key(a):
+        return kernels._args_key((a,))
+
     x = torch.zeros(8)
     assert key(x) != key(x[1:])  # 16-byte alignment
     assert key(x) != key(x.half())
@@ -149,7 +151,7 @@ def test_launch_keys_cover_tritons_specialization():
     for a, b in [(1, 2), (16, 17), (32, 49), (2**31 - 16, 2**31), (2**63 - 16, 2**63), (1, True),
                  (0, False), (1, 1.0)]:
         assert key(a) != key(b), (a, b)
-    assert key(32) == key(48) and key(3) == key(5) and key(0.5) == key(2.0)
+    assert key(0.5) == key(2.0)  # floats are passed as fp32 whatever their value
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="the interpreter is off")
@@ -157,7 +159,7 @@ def test_launch_goes_through_triton_under_the_interpreter():
     x = torch.randn(100)
     y = torch.empty_like(x)
     kernels.launch(_scale_kernel, (2,), x, y, 100, 2.5, BLOCK=64)
-    assert kernels._direct_launchers[_scale_kernel] is False
+    assert kernels._direct_launchers[id(_scale_kernel)] is False
     torch.testing.assert_close(y, x * 2.5, rtol=0, atol=0)
 
 
@@ -179,7 +181,7 @@ def test_direct_launch_equals_tritons():
         finally:
             del _scale_kernel.run
         torch.testing.assert_close(dst, src * 2.5, rtol=0, atol=0)
-    assert len(kernels._direct_launchers[_scale_kernel].compiled) == 5
+    assert len(kernels._direct_launchers[id(_scale_kernel)].compiled) == 5
 
 
 @pytest.mark.cuda

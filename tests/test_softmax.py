@@ -18,6 +18,14 @@ SHAPES = [(7,), (3, 17), (2, 5, 33), (2, 3, 4, 129), (1, 1000), (5, 2049)]
 LOW_PRECISION = {torch.float16, torch.bfloat16}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """The kernels memoize their launch plans; tests here patch the constants the plans are made from."""
+    kernels.forget_plans()
+    yield
+    kernels.forget_plans()
+
+
 def _check_parity(x: torch.Tensor, fused_fn, stock_fn, reference_fn) -> torch.Tensor:
     """Output and input gradient of ``fused_fn`` vs ``stock_fn`` vs ``reference_fn`` on a float64 copy of x (a random
     upstream gradient); returns the fused input's gradient."""

@@ -1,6 +1,6 @@
 """Triton kernels and their launchers, one module per op (no torch.library code here)."""
 
-import torch
+from torch import Tensor
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -31,16 +31,19 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     repeated: Triton's check that the globals a kernel read did not change since it was compiled (ours read
     constants only).
     """
-    fast = _direct_launchers.get(kernel)
+    fast = _direct_launchers.get(id(kernel))  # by id: a JITFunction hashes its source's cache key on every call
     if fast is None:
-        fast = _direct_launchers[kernel] = _DirectLauncher.for_kernel(kernel)
+        fast = _direct_launchers[id(kernel)] = _DirectLauncher.for_kernel(kernel)
     if fast is False or kernel.pre_run_hooks or not _no_launch_hooks():
         kernel[grid](*args, **meta)
         return
     fast(grid, args, meta)
 
 
-_direct_launchers: dict = {}  # kernel -> its _DirectLauncher, or False where Triton's own path must run
+MAX_KEYS_PER_KERNEL = 4096
+# id(kernel) -> its _DirectLauncher (which keeps the kernel alive, so the id stays its), or False where Triton's own
+# path must run
+_direct_launchers: dict = {}
 
 
 def _no_launch_hooks() -> bool:
@@ -48,15 +51,14 @@ def _no_launch_hooks() -> bool:
                                                              knobs.runtime.launch_exit_hook))
 
 
-def _arg_key(a):
-    """What Triton specializes a kernel argument on (or finer)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool):
-        return bool, a
-    if isinstance(a, int):
-        return int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63
-    return type(a)
+def _args_key(args: tuple) -> tuple:
+    """A key that changes wherever Triton's specialization of the kernel arguments does: each tensor's dtype and
+    16-byte alignment; ints by value (finer than Triton's ==1, %16 and 32/64-bit range, and cheaper to take); bools
+    apart from ints; the type of everything else. One comprehension: it runs on every launch."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor)
+                  else a if a.__class__ is int
+                  else (a.__class__, a) if isinstance(a, int)
+                  else a.__class__ for a in args])
 
 
 class _DirectLauncher:
@@ -75,10 +77,12 @@ class _DirectLauncher:
 
     def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         device = self.driver.get_current_device()
-        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        key = (device, _args_key(args), tuple(meta.items()))
         entry = self.compiled.get(key)
         if entry is None:  # Triton compiles (or finds) it and launches it this once
             compiled = self.kernel[grid](*args, **meta)
+            if len(self.compiled) >= MAX_KEYS_PER_KERNEL:  # ints are keyed by value: shapes that keep changing
+                self.compiled.clear()
             if hasattr(compiled, "packed_metadata"):
                 self.compiled[key] = (compiled, self._constexprs(len(args), meta))
             return

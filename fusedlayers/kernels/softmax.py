@@ -447,39 +447,8 @@ def _launch_split(kernel, n_rows: int, split: int, device: torch.device, before:
             launch(kernel, (n_rows * split,), *before, sync, next_sync, *after, **meta, PHASE=phase)
 
 
-def _split_launch(g2: torch.Tensor, out2: torch.Tensor, dx: torch.Tensor, scale: float) -> None:
-    """The split backward over (rows, cols) views: cooperatively on the GPU, in two phases elsewhere."""
-    n_rows, n_cols = out2.shape
-    block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
-    split = cdiv(n_cols, block_n)
-    partial_sums = torch.empty(n_rows * split, dtype=torch.float32, device=out2.device)
-    meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
-    _launch_split(_softmax_bwd_split_kernel, n_rows, split, out2.device, (g2, out2, dx, partial_sums),
-                  (n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale)), meta)
-
-
 def _split_forward_part(element_size: int) -> int:
     return SPLIT_FORWARD_PART * 2 // max(element_size, 2)
-
-
-def _split_forward_launch(x2: torch.Tensor, args: tuple, common: dict) -> None:
-    """The split forward over the (rows, cols) view ``x2``: cooperatively on the GPU, in two phases elsewhere.
-    ``args``: the forward kernels' arguments (x, y, mask, n_rows, ...); the split kernel takes its (max, sum) buffer
-    and counters after the mask."""
-    n_rows, n_cols = x2.shape
-    part = min(_split_forward_part(x2.element_size()), next_power_of_2(n_cols))
-    split = cdiv(n_cols, part)
-    stats = torch.empty(n_rows * 2 * split, dtype=torch.float32, device=x2.device)  # (max, sum) per part
-    x_arg, y_arg, mask_arg, *rest = args
-    meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), PART=part, BLOCK_N=max(part // 2, 1),
-                PLAIN=_plain(x2, common, args[-1]), num_warps=SPLIT_FORWARD_WARPS)
-    _launch_split(_softmax_fwd_split_kernel, n_rows, split, x2.device, (x_arg, y_arg, mask_arg, stats), rest,
-                  {**common, **meta})
-
-
-def _plain(x2: torch.Tensor, common: dict, scale: float) -> bool:
-    """Plain softmax over unit-stride rows: the split forward loads them bare."""
-    return not (common["HAS_MASK"] or common["IS_CAUSAL"]) and scale == 1.0 and x2.stride(1) == 1
 
 
 def _split_forward_from(device: torch.device) -> int:
@@ -503,14 +472,6 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter runs programs one after another anyway
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _looped_launch(x: torch.Tensor, n_rows: int, n_cols: int, config: LoopConfig) -> dict:
-    """Grid and launch keywords of a looped kernel reading ``x``."""
-    programs = _multiprocessors(x.device) * config.programs_per_sm
-    grid = (min(n_rows, programs) if programs else n_rows,)
-    block_n = min(config.block_n * 2 // max(x.element_size(), 2), next_power_of_2(n_cols))
-    return grid, dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
 
 
 # Elements per one-pass forward program, by GPU (kernels alone, bf16, fraction of copy): at 1024 columns one row per
@@ -552,8 +513,8 @@ def _mask_view(mask: torch.Tensor, x: torch.Tensor):
 def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, element_size: int = 2,
                plain: bool = True) -> str:
     """Which kernel shape runs rows of ``n_cols`` (of ``element_size`` bytes, on ``device``): "one_pass", "split" or
-    "looped". ``plain``: forward rows the split forward loads bare (see ``_plain``); others never split, since the
-    split forward's general path (masks, scale, strides) is its slow one."""
+    "looped". ``plain``: unit-stride forward rows without mask or scale, which the split forward loads bare; others
+    never split, since the split forward's general path (masks, scale, strides) is its slow one."""
     if backward:
         if n_cols <= MAX_ONE_PASS_COLS:
             return "one_pass"
@@ -562,6 +523,100 @@ def kernel_for(n_cols: int, backward: bool, device: torch.device | None = None, 
     if plain and n_cols >= split_from and cdiv(n_cols, _split_forward_part(element_size)) <= MAX_SPLIT:
         return "split"
     return "one_pass" if n_cols <= MAX_ONE_PASS_FORWARD_COLS else "looped"
+
+
+SHAPES = ("one_pass", "split", "looped")
+
+
+class Plan(NamedTuple):
+    """How rows of one length run: the kernel, its launch keywords, and its grid."""
+
+    shape: str  # one of SHAPES
+    kernel: object
+    meta: dict
+    rows_per_program: int = 1  # one-pass kernels take BLOCK_M rows per program
+    max_programs: int = 0  # > 0: a persistent grid of at most this many programs (looped)
+    split: int = 1  # split kernels: programs per row, and ...
+    stats_per_row: int = 0  # ... the fp32 values per row they publish to each other
+
+
+def _check_shape(kernel: str | None) -> None:
+    if kernel is not None and kernel not in SHAPES:
+        raise ValueError(f"kernel must be one of {SHAPES} (or None), got {kernel!r}")
+
+
+# The plans are memoized: their arithmetic (kernel_for, the GPU's name, the tile sizes) cost ~5 us of host time per
+# eager call, which GPU kernels over small tensors wait for. forget_plans() after changing the constants above.
+@functools.cache
+def _forward_plan(n_cols: int, element_size: int, device: torch.device, kernel: str | None, has_mask: bool,
+                  mask_is_bool: bool, is_causal: bool, zero_empty_rows: bool, plain: bool) -> Plan:
+    """``plain``: as in ``kernel_for``."""
+    _check_shape(kernel)
+    shape = kernel or kernel_for(n_cols, False, device, element_size, plain)
+    flags = dict(HAS_MASK=has_mask, MASK_IS_BOOL=mask_is_bool, IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows)
+    if shape == "split":
+        part = min(_split_forward_part(element_size), next_power_of_2(n_cols))
+        split = cdiv(n_cols, part)
+        meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), PART=part, BLOCK_N=max(part // 2, 1), PLAIN=plain,
+                    num_warps=SPLIT_FORWARD_WARPS)
+        return Plan(shape, _softmax_fwd_split_kernel, {**flags, **meta}, split=split, stats_per_row=2 * split)
+    if shape == "looped":
+        return _looped_plan(_softmax_fwd_looped_kernel, LOOP_FORWARD, n_cols, element_size, device, flags)
+    block_m, block_n, num_warps = _one_pass_config(n_cols, device=device)
+    return Plan(shape, _softmax_fwd_kernel, dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps),
+                rows_per_program=block_m)
+
+
+@functools.cache
+def _backward_plan(n_cols: int, element_size: int, device: torch.device, kernel: str | None, scaled: bool) -> Plan:
+    _check_shape(kernel)
+    shape = kernel or kernel_for(n_cols, backward=True)
+    if shape == "split":
+        block_n = min(SPLIT_BLOCK_N, next_power_of_2(n_cols))
+        split = cdiv(n_cols, block_n)
+        meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
+        return Plan(shape, _softmax_bwd_split_kernel, meta, split=split, stats_per_row=split)
+    if shape == "looped":
+        return _looped_plan(_softmax_bwd_looped_kernel, LOOP_BACKWARD, n_cols, element_size, device, {})
+    block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
+    return Plan(shape, _softmax_bwd_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled,
+                                                 num_warps=num_warps), rows_per_program=block_m)
+
+
+def _looped_plan(kernel, config: LoopConfig, n_cols: int, element_size: int, device: torch.device,
+                 flags: dict) -> Plan:
+    block_n = min(config.block_n * 2 // max(element_size, 2), next_power_of_2(n_cols))
+    meta = dict(BLOCK_N=block_n, STAGES=config.stages, L2_HINTS=config.l2_hints, num_warps=config.warps)
+    return Plan("looped", kernel, {**flags, **meta}, max_programs=_multiprocessors(device) * config.programs_per_sm)
+
+
+def forget_plans() -> None:
+    """Drop the memoized launch plans (after changing the tuning constants, as tests and the tuner do)."""
+    _forward_plan.cache_clear()
+    _backward_plan.cache_clear()
+
+
+def _launch_plan(plan: Plan, device: torch.device, tensors: tuple, scalars: tuple, n_rows: int) -> None:
+    """Launch ``plan`` over ``n_rows`` rows: ``kernel(*tensors, *scalars)``; a split kernel takes its statistics
+    buffer and counters between the two."""
+    if plan.shape == "split":
+        stats = torch.empty(n_rows * plan.stats_per_row, dtype=torch.float32, device=device)
+        _launch_split(plan.kernel, n_rows, plan.split, device, (*tensors, stats), scalars, plan.meta)
+        return
+    programs = cdiv(n_rows, plan.rows_per_program)
+    if plan.max_programs:
+        programs = min(programs, plan.max_programs)
+    launch(plan.kernel, (programs,), *tensors, *scalars, **plan.meta)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``x`` as rows of its last dim: (tensor to pass, n_rows, row stride, column stride). Contiguous tensors pass as
+    they are (a reshape costs a microsecond of host time)."""
+    n_cols = x.shape[-1]
+    if x.is_contiguous():
+        return x, x.numel() // n_cols, n_cols, 1
+    x2 = x.reshape(-1, n_cols)
+    return x2, x2.shape[0], x2.stride(0), x2.stride(1)
 
 
 def softmax_forward(
@@ -573,33 +628,19 @@ def softmax_forward(
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
     floating. ``kernel`` forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row).
     """
-    n_cols = x.shape[-1]
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     if y.numel() == 0:
+        _check_shape(kernel)
         return y
-    x2 = x.reshape(-1, n_cols)
-    n_rows = x2.shape[0]
+    n_cols = x.shape[-1]
+    x2, n_rows, stride_r, stride_c = _rows(x)
     q_len = x.shape[-2] if x.dim() >= 2 else 1
     mask_arg, heads = _mask_view(mask, x) if mask is not None else (x2, (1, 0, 0, 0, 0))
-    common = dict(
-        HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-        IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows,
-    )
-    args = (x2, y, mask_arg, n_rows, n_cols, x2.stride(0), x2.stride(1), *heads, q_len, float(scale))
-    if kernel is None:
-        kernel = kernel_for(n_cols, False, x.device, x.element_size(), _plain(x2, common, scale))
-    if kernel not in ("one_pass", "split", "looped"):
-        raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
-    if kernel == "split":
-        _split_forward_launch(x2, args, common)
-    elif kernel == "looped":
-        grid, options = _looped_launch(x, n_rows, n_cols, LOOP_FORWARD)
-        launch(_softmax_fwd_looped_kernel, grid, *args, **common, **options)
-    else:
-        block_m, block_n, num_warps = _one_pass_config(n_cols, device=x.device)
-        launch(_softmax_fwd_kernel, (cdiv(n_rows, block_m),),
-            *args, **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
-        )
+    plain = mask is None and not is_causal and scale == 1.0 and stride_c == 1
+    plan = _forward_plan(n_cols, x.element_size(), x.device, kernel, mask is not None,
+                         mask is not None and mask.dtype == torch.bool, is_causal, zero_empty_rows, plain)
+    _launch_plan(plan, x.device, (x2, y, mask_arg),
+                 (n_rows, n_cols, stride_r, stride_c, *heads, q_len, float(scale)), n_rows)
     return y
 
 
@@ -608,27 +649,13 @@ def softmax_backward(
 ) -> torch.Tensor:
     """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``. ``kernel``
     forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row length)."""
-    n_cols = out.shape[-1]
-    dx = torch.empty(out.shape, dtype=grad_dtype, device=out.device)
+    dx = torch.empty_like(out, dtype=grad_dtype, memory_format=torch.contiguous_format)
     if dx.numel() == 0:
+        _check_shape(kernel)
         return dx
-    out2 = out.reshape(-1, n_cols)
-    if out2.stride(1) != 1 or out2.stride(0) != n_cols:
-        out2 = out2.contiguous()
-    g2 = grad.reshape(-1, n_cols)
-    n_rows = out2.shape[0]
-    args = (g2, out2, dx, n_rows, n_cols, g2.stride(0), g2.stride(1), float(scale))
-    kernel = kernel or kernel_for(n_cols, backward=True)
-    if kernel not in ("one_pass", "split", "looped"):
-        raise ValueError(f"kernel must be 'one_pass', 'split' or 'looped', got {kernel!r}")
-    if kernel == "split":
-        _split_launch(g2, out2, dx, scale)
-    elif kernel == "looped":
-        grid, options = _looped_launch(out, n_rows, n_cols, LOOP_BACKWARD)
-        launch(_softmax_bwd_looped_kernel, grid, *args, **options)
-    else:
-        block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
-        launch(_softmax_bwd_kernel, (cdiv(n_rows, block_m),),
-            *args, BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scale != 1.0, num_warps=num_warps
-        )
+    n_cols = out.shape[-1]
+    out = out if out.is_contiguous() else out.contiguous()  # the kernels read out with row stride n_cols
+    g2, n_rows, stride_r, stride_c = _rows(grad)
+    plan = _backward_plan(n_cols, out.element_size(), out.device, kernel, scale != 1.0)
+    _launch_plan(plan, out.device, (g2, out, dx), (n_rows, n_cols, stride_r, stride_c, float(scale)), n_rows)
     return dx
