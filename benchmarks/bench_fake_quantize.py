@@ -202,6 +202,7 @@ def sweep() -> str:
     old = kernels.TILE_ELEMENTS
     for tile in (2048, 4096, 8192):
         kernels.TILE_ELEMENTS = tile
+        kernels._tile_config.cache_clear()
         fwd = median_ms(lambda: kernels.fake_quantize_forward(w, scale, zf, QMIN, QMAX, layout, 1))
         _, mask = kernels.fake_quantize_forward(w, scale, zf, QMIN, QMAX, layout, 1)
         bwd = median_ms(lambda: kernels.fake_quantize_ste_backward(g, mask, N, N))  # noqa: B023
@@ -211,6 +212,7 @@ def sweep() -> str:
                      f"dynamic fwd {dyn:.3f} ms")
         print(lines[-1], flush=True)
     kernels.TILE_ELEMENTS = old
+    kernels._tile_config.cache_clear()
     return "\n".join(lines)
 
 

@@ -18,7 +18,13 @@ import threading
 import torch
 
 BACKENDS = ("auto", "triton", "reference")
-_state = threading.local()
+
+
+class _State(threading.local):
+    name: str | None = None  # the innermost use_backend's, per thread (a class default: no AttributeError to catch)
+
+
+_state = _State()
 
 
 def _check_name(name: str) -> str:
@@ -29,7 +35,7 @@ def _check_name(name: str) -> str:
 
 def current_backend() -> str:
     """The backend in force: the innermost ``use_backend``, else ``$FUSEDLAYERS_BACKEND``, else auto."""
-    name = getattr(_state, "name", None)
+    name = _state.name
     if name is None:
         name = os.environ.get("FUSEDLAYERS_BACKEND", "auto")
         try:
@@ -43,7 +49,7 @@ def current_backend() -> str:
 def use_backend(name: str):
     """Run the ops inside the ``with`` block on backend ``name`` ("auto" | "triton" | "reference")."""
     _check_name(name)
-    previous = getattr(_state, "name", None)
+    previous = _state.name
     _state.name = name
     try:
         yield
@@ -60,11 +66,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
     Raises RuntimeError when the backend asks for Triton where Triton cannot run.
     """
-    name = current_backend()
-    if name == "reference":
-        return False
+    name = _state.name or os.environ.get("FUSEDLAYERS_BACKEND", "auto")  # every op call runs this: no calls
     if name == "auto":
         return tensor.is_cuda
+    if name == "reference":
+        return False
+    if name != "triton":
+        current_backend()  # raises, naming the environment variable
     # name == "triton"
     if tensor.device.type == "cpu" and not triton_interpreter_on():
         raise RuntimeError(

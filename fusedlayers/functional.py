@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fusedlayers import _validate as v
 from fusedlayers.ops import checkpoint as _checkpoint_ops
@@ -343,7 +344,9 @@ def _fake_quant_qparam(name: str, value, input: Tensor, shape: tuple[int, ...] |
 
 # qparam tensors whose values passed the checks, with their version then: reading device values costs a host sync, so
 # the same tensors (QAT's buffers, a parameter between optimizer steps) are read once per change, not once per call.
-_checked_qparams = WeakIdKeyDictionary()
+# id(tensor) -> (weak reference to it, its version, what was checked); an entry leaves when its tensor dies. (Not a
+# WeakIdKeyDictionary: its lookup builds a weak reference, a microsecond per qparam per call.)
+_checked_qparams: dict = {}
 
 
 def _check_qparam_values(scale, zero_point, quant_min: int, quant_max: int) -> None:
@@ -368,15 +371,22 @@ def _check_qparam_values(scale, zero_point, quant_min: int, quant_max: int) -> N
     for name in on_device:
         t, what = (scale, "scale") if name == "scale" else (zero_point, (quant_min, quant_max))
         if _cacheable(t):
-            _checked_qparams[t] = (t._version, what)
+            _remember_checked(t, what)
 
 
 def _cacheable(t: Tensor) -> bool:
     return type(t) in (Tensor, torch.nn.Parameter) and not t.is_inference()
 
 
+def _remember_checked(t: Tensor, what) -> None:
+    key = id(t)
+    forget = lambda _ref, key=key: _checked_qparams.pop(key, None)  # noqa: E731
+    _checked_qparams[key] = (weakref.ref(t, forget), t._version, what)
+
+
 def _checked_before(t: Tensor, what) -> bool:
-    return _cacheable(t) and _checked_qparams.get(t) == (t._version, what)
+    entry = _checked_qparams.get(id(t))
+    return entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == what
 
 
 def fake_quantize(input: Tensor, scale, zero_point, quant_min: int, quant_max: int, axis: int | None = None, *,

@@ -25,8 +25,10 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     call: 18.8 us of host time per launch on an H200's host, against 6.3 us for the compiled kernel's own launcher
     (10.3 us with the lookup below). An eager fwd+bwd launches two or three kernels, so this is host time that
     small steps wait for. The lookup key is at least as fine as Triton's specialization (each tensor's dtype and
-    16-byte alignment; each int's ==1, %16 and 32/64-bit range; the type of everything else; the constexprs and
-    options by value), so it can only miss where Triton would hit, never hit where Triton would compile anew.
+    16-byte alignment; ints by value, which covers their ==1, %16 and 32/64-bit range; bools apart from ints; the
+    type of everything else; the constexprs and options by value), so it can only miss where Triton would hit,
+    never hit where Triton would compile anew; a kernel launched with ever-new ints (shapes) starts its table over
+    at MAX_KEYS_PER_KERNEL entries.
     Under the interpreter, with launch hooks set (a profiler) or pre-run hooks, the call goes through Triton. Not
     repeated: Triton's check that the globals a kernel read did not change since it was compiled (ours read
     constants only).
@@ -66,7 +68,8 @@ class _DirectLauncher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.driver = driver.active
+        self.current_device = driver.active.get_current_device
+        self.current_stream = driver.active.get_current_stream
         self.compiled: dict = {}  # (device, argument keys, meta) -> (compiled kernel, constexpr values)
 
     @classmethod
@@ -76,7 +79,7 @@ class _DirectLauncher:
         return cls(kernel)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        device = self.driver.get_current_device()
+        device = self.current_device()
         key = (device, _args_key(args), tuple(meta.items()))
         entry = self.compiled.get(key)
         if entry is None:  # Triton compiles (or finds) it and launches it this once
@@ -89,7 +92,7 @@ class _DirectLauncher:
         compiled, constexprs = entry
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, self.driver.get_current_stream(device), compiled.function,
+        compiled.run(grid[0], g1, g2, self.current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *constexprs)
 
     def _constexprs(self, n_args: int, meta: dict) -> tuple:
