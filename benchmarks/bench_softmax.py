@@ -108,32 +108,34 @@ def bench_masked(copy_bw: float) -> list[dict]:
     return rows
 
 
-# Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, rows per program, warps); None keeps the
-# shipped choice. The forward runs the shipped kernel except with warps set ("one_pass" rows).
+# Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, warps, bits); None keeps the shipped choice.
+# "one_pass" rows run the row kernels with these warps and bits (the backward's widening by bits, the forward's
+# recomputed exp); the forward runs the one-pass kernel where the backward does, else the looped one.
 TUNE_CONFIGS = {
-    16384: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32)] * 2,
-    32768: [("one_pass", None, 1, 16), ("one_pass", None, 1, 32), ("split", 8192, None, 8),
+    16384: [("one_pass", None, 4, False), ("one_pass", None, 8, True), ("one_pass", None, 16, True),
+            ("one_pass", None, 16, False)],
+    32768: [("one_pass", None, 16, True), ("one_pass", None, 32, True), ("split", 8192, 8, None),
             ("looped", None, None, None)],
-    65536: [("split", 8192, None, 4), ("split", 8192, None, 8), ("split", 16384, None, 16),
+    65536: [("split", 8192, 4, None), ("split", 8192, 8, None), ("split", 16384, 16, None),
             ("looped", None, None, None)],
-    131072: [("split", 8192, None, 8), ("looped", None, None, None)],
+    131072: [("split", 8192, 8, None), ("looped", None, None, None)],
 }
 
 
 def tune(copy_bw: float) -> None:
     """Sweep kernel configs per row length; prints the fraction of copy bandwidth of the kernels alone."""
-    shipped = kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS
+    names = ("_row_forward_config", "_row_backward_config", "SPLIT_BLOCK_N", "SPLIT_WARPS")
+    shipped = {name: getattr(kernels, name) for name in names}
     for n_cols, configs in TUNE_CONFIGS.items():
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         y = torch.softmax(x, -1)
         g = torch.randn_like(x)
-        for kernel, block_n, block_m, warps in configs:
-            kernels.SPLIT_BLOCK_N = block_n or shipped[1]
+        for kernel, block_n, warps, bits in configs:
+            kernels.SPLIT_BLOCK_N = block_n or shipped["SPLIT_BLOCK_N"]
             if kernel == "split":
                 kernels.SPLIT_WARPS = warps
-            elif warps:
-                kernels._one_pass_config = lambda n, backward=False, device=None, m=block_m, w=warps: (
-                    m, triton.next_power_of_2(n), w)
+            elif kernel == "one_pass":
+                kernels._row_forward_config = kernels._row_backward_config = lambda n, dtype, c=(warps, bits): c
             forward = "one_pass" if kernel == "one_pass" else "looped"
             kernels.forget_plans()
             try:
@@ -143,9 +145,10 @@ def tune(copy_bw: float) -> None:
                 result = f"fwd {fraction(2, f, copy_bw):.3f} bwd {fraction(3, b, copy_bw):.3f} fwd+bwd {fb:.3f}"
             except Exception as e:  # e.g. out of shared memory
                 result = type(e).__name__
-            kernels._one_pass_config, kernels.SPLIT_BLOCK_N, kernels.SPLIT_WARPS = shipped
+            for name, value in shipped.items():
+                setattr(kernels, name, value)
             kernels.forget_plans()
-            print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} rows={block_m} warps={warps}: "
+            print(f"tune cols={n_cols} fwd {forward}, bwd {kernel} block={block_n} warps={warps} bits={bits}: "
                   f"{result}", flush=True)
 
 

@@ -127,6 +127,49 @@ def test_one_pass_config_per_gpu(monkeypatch):
     assert kernels._one_pass_config(100) == (16, 128, 4)
 
 
+def test_row_kernel_plans():
+    """Rows of one program each run the 1-D row kernels (the forward's for plain rows only); the widening by bits and
+    the recomputed exp only for bf16."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    plain = kernels._forward_plan(4096, bf16, cpu, None, False, False, False, False, True)
+    masked = kernels._forward_plan(4096, bf16, cpu, None, True, True, False, True, False)
+    short = kernels._forward_plan(1024, bf16, cpu, None, False, False, False, False, True)
+    assert plain.kernel is kernels._softmax_fwd_row_kernel
+    assert masked.kernel is short.kernel is kernels._softmax_fwd_kernel and short.rows_per_program == 2
+    assert kernels._forward_plan(8192, bf16, cpu, None, False, False, False, False, True).meta["RECOMPUTE"]
+    assert not kernels._forward_plan(8192, torch.float16, cpu, None, False, False, False, False, True).meta["RECOMPUTE"]
+    for dtype, grad_dtype, bits in ((bf16, bf16, True), (torch.float16, torch.float16, False),
+                                    (torch.float32, torch.float32, False), (bf16, torch.float32, False)):
+        plan = kernels._backward_plan(16384, dtype, grad_dtype, cpu, None, False)
+        assert plan.kernel is kernels._softmax_bwd_row_kernel and plan.meta["WIDEN_BITS"] == bits, dtype
+    assert kernels._backward_plan(1024, bf16, bf16, cpu, None, False).kernel is kernels._softmax_bwd_kernel
+
+
+@pytest.mark.parametrize("n_cols", [2000, 3000, 5000, 16000])
+def test_softmax_row_kernels_bf16(monkeypatch, n_cols):
+    """bf16 rows through the row kernels, whose widening by bits and recomputed exp are exact rewrites: the same
+    bits with them on as off, and parity with torch (the interpreter's bf16 is wrong in dot products only)."""
+    x = torch.randn(3, n_cols, dtype=torch.bfloat16) * 4
+    grad = torch.randn_like(x)
+
+    def run():
+        kernels.forget_plans()
+        with fl.use_backend("triton"):
+            t = x.clone().requires_grad_()
+            y = fl.softmax(t, -1)
+            (dx,) = torch.autograd.grad(y, t, grad)
+        return y, dx
+
+    with fl.use_backend("triton"):
+        _check_softmax(x, -1)
+    y, dx = run()
+    forward, backward = kernels._row_forward_config, kernels._row_backward_config
+    monkeypatch.setattr(kernels, "_row_forward_config", lambda block_n, dtype: (forward(block_n, dtype)[0], False))
+    monkeypatch.setattr(kernels, "_row_backward_config", lambda block_n, dtype: (backward(block_n, dtype)[0], False))
+    y_plain, dx_plain = run()
+    assert torch.equal(y, y_plain) and torch.equal(dx, dx_plain)
+
+
 def small_blocks(monkeypatch, block_n: int) -> None:
     """Split and looped kernels with tiny blocks, so small rows take several blocks or loop trips; persistent
     grids too."""
@@ -486,7 +529,7 @@ def test_softmax_module_is_a_drop_in():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n_cols", [1, 77, 1024, 4099, 16384, 16385, 65536, 100003])
+@pytest.mark.parametrize("n_cols", [1, 77, 1024, 2000, 4099, 16384, 16385, 32768, 65536, 100003])
 def test_cuda_softmax(dtype, n_cols):
     x = torch.randn(37, n_cols, device="cuda", dtype=dtype) * 4
     _check_softmax(x, -1)

@@ -4,7 +4,8 @@ Every kernel sees the input as a 2-D (rows, cols) view with a row stride and a c
 accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
-  once and written once (2 tensors moved forward, 3 backward).
+  once and written once (2 tensors moved forward, 3 backward). Rows of one program each run as 1-D
+  blocks (the row kernels: the backward's, and the forward's for plain rows), tuned per row length and dtype.
 - split: for rows past one program's registers (backward: over 32K elements; forward: see
   SPLIT_FORWARD_FROM). SPLIT cooperating programs each
   own one part of the row, publish what the row needs from it to a small fp32 buffer, wait at a
@@ -140,6 +141,38 @@ def _softmax_fwd_kernel(
 
 
 @triton.jit
+def _widen(v, BITS: tl.constexpr):
+    """v as fp32. BITS (bf16 v only): through v's bits, a conversion the compiler cannot merge with an earlier
+    ``v.to(fp32)``, so that it keeps v in 16-bit registers until this use instead of holding the fp32 values: half
+    the registers for a long row, more rows in flight per SM."""
+    if BITS:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _softmax_fwd_row_kernel(
+    x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
+    BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr,
+):
+    """The one-pass forward of plain rows (no mask, scale 1, unit column stride), one row per program, as a 1-D block
+    (the arguments of ``_softmax_fwd_kernel``, most unused). RECOMPUTE (bf16): exp is computed again for the output
+    instead of being held from the sum (see ``ROW_FORWARD``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * stride_xr + cols, mask=inside, other=float("-inf"))
+    row_max_log2 = tl.max(x.to(tl.float32), axis=0) * LOG2E
+    e = tl.exp2(x.to(tl.float32) * LOG2E - row_max_log2)
+    denom = tl.sum(e, axis=0)
+    if RECOMPUTE:
+        e = tl.exp2(_widen(x, True) * LOG2E - row_max_log2)
+    tl.store(y_ptr + row * n_cols + cols, (e / denom).to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _softmax_fwd_looped_kernel(
     x_ptr, y_ptr, mask_ptr, n_rows, n_cols, stride_xr, stride_xc,
     mask_b, mask_sb, mask_sh, mask_sq, mask_sk, q_len, scale,
@@ -205,8 +238,9 @@ def _softmax_bwd_kernel(
     g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """dx = scale * y * (g - sum(g * y)); y is contiguous, g may be strided. Streaming stores and no multiply by a
-    scale of 1 (SCALED false): 0.994-1.000 of copy at 16384 columns on an H200 against 0.989-0.994 without."""
+    """dx = scale * y * (g - sum(g * y)) for BLOCK_M rows per program; y is contiguous, g may be strided. Streaming
+    stores and no multiply by a scale of 1 (SCALED false): 0.994-1.000 of copy at 16384 columns on an H200 against
+    0.989-0.994 without (one row per program, before ``_softmax_bwd_row_kernel`` took such rows)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     r = rows[:, None].to(tl.int64)
@@ -219,6 +253,24 @@ def _softmax_bwd_kernel(
     if SCALED:
         dx = dx * scale
     tl.store(dx_ptr + r * n_cols + c, dx.to(dx_ptr.dtype.element_ty), mask=inside, cache_modifier=".cs")
+
+
+@triton.jit
+def _softmax_bwd_row_kernel(
+    g_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_gr, stride_gc, scale,
+    BLOCK_N: tl.constexpr, SCALED: tl.constexpr, WIDEN_BITS: tl.constexpr,
+):
+    """``_softmax_bwd_kernel`` for one row per program, as a 1-D block; WIDEN_BITS (bf16 y and g): see ``_widen``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    inside = cols < n_cols
+    y = tl.load(y_ptr + row * n_cols + cols, mask=inside, other=0.0)
+    g = tl.load(g_ptr + row * stride_gr + cols * stride_gc, mask=inside, other=0.0)
+    dot = tl.sum(g.to(tl.float32) * y.to(tl.float32), axis=0)
+    dx = _widen(y, WIDEN_BITS) * (_widen(g, WIDEN_BITS) - dot)
+    if SCALED:
+        dx = dx * scale
+    tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside, cache_modifier=".cs")
 
 
 @triton.jit
@@ -496,6 +548,40 @@ def _one_pass_config(n_cols: int, backward: bool = False, device: torch.device |
     return block_m, block_n, num_warps
 
 
+def _row_forward_config(block_n: int, dtype: torch.dtype) -> tuple[int, bool]:
+    """(num_warps, RECOMPUTE) of ``_softmax_fwd_row_kernel`` for rows of ``block_n`` columns (a power of 2).
+
+    Measured on an H200, kernels alone, 256 MiB tensors, fraction of copy, three rounds (h200-softmax.md): 4 warps at
+    2K-16K columns (bf16 16K: 0.953-0.958 against 0.929-0.938 for the 2-D kernel with 32 warps; 4K: 0.971 / 0.964-0.969;
+    fp16 16K: 0.957-0.963 / 0.933), except bf16 rows of 2K and 8K, which recompute exp (2K: 0.998-0.999 against
+    0.989-0.994; 8K, with 8 warps: 0.985 against 0.960-0.965), and fp32 rows of 8K (16 warps: 0.973 / 0.959-0.963) and
+    16K (8 warps: 0.969-0.970 / 0.958-0.962). Longer rows (only when forced, see ``kernel_for``) 32 warps.
+    """
+    if block_n > 16384:
+        return 32, False
+    if dtype == torch.bfloat16 and block_n in (2048, 8192):
+        return (8 if block_n == 8192 else 4), True
+    if dtype == torch.float32 and block_n in (8192, 16384):
+        return (16 if block_n == 8192 else 8), False
+    return 4, False
+
+
+def _row_backward_config(block_n: int, dtype: torch.dtype | None) -> tuple[int, bool]:
+    """(num_warps, WIDEN_BITS) of ``_softmax_bwd_row_kernel`` for rows of ``block_n`` columns (a power of 2) whose
+    output and gradient have ``dtype`` (None: different dtypes).
+
+    Measured as ``_row_forward_config``: 4 warps up to 2K columns, 16 beyond (bf16 4K / 8K: 1.033-1.037 against
+    1.025-1.029 for the 2-D kernel); bf16 rows of 4K, 16K and 32K widened by bits (16K: 1.026 against 0.986-0.988
+    without and 0.999-1.002 for the 2-D kernel; 32K: 1.009-1.012 / 1.003-1.006 / 1.000; at 8K 1.022-1.026 against
+    1.034-1.037 without); fp16 rows of 16K with 4 warps (1.018-1.021 against 0.998 with 16, 1.003 for the 2-D kernel).
+    """
+    if block_n <= 2048:
+        return 4, False
+    if dtype == torch.float16 and block_n == 16384:
+        return 4, False
+    return 16, dtype == torch.bfloat16 and block_n != 8192
+
+
 def _mask_view(mask: torch.Tensor, x: torch.Tensor):
     """``mask`` (expanded to x's shape) as a 4-D (B, H, L, S) view and its strides.
 
@@ -548,10 +634,11 @@ def _check_shape(kernel: str | None) -> None:
 # The plans are memoized: their arithmetic (kernel_for, the GPU's name, the tile sizes) cost ~5 us of host time per
 # eager call, which GPU kernels over small tensors wait for. forget_plans() after changing the constants above.
 @functools.cache
-def _forward_plan(n_cols: int, element_size: int, device: torch.device, kernel: str | None, has_mask: bool,
+def _forward_plan(n_cols: int, dtype: torch.dtype, device: torch.device, kernel: str | None, has_mask: bool,
                   mask_is_bool: bool, is_causal: bool, zero_empty_rows: bool, plain: bool) -> Plan:
     """``plain``: as in ``kernel_for``."""
     _check_shape(kernel)
+    element_size = dtype.itemsize
     shape = kernel or kernel_for(n_cols, False, device, element_size, plain)
     flags = dict(HAS_MASK=has_mask, MASK_IS_BOOL=mask_is_bool, IS_CAUSAL=is_causal, ZERO_EMPTY_ROWS=zero_empty_rows)
     if shape == "split":
@@ -563,12 +650,17 @@ def _forward_plan(n_cols: int, element_size: int, device: torch.device, kernel: 
     if shape == "looped":
         return _looped_plan(_softmax_fwd_looped_kernel, LOOP_FORWARD, n_cols, element_size, device, flags)
     block_m, block_n, num_warps = _one_pass_config(n_cols, device=device)
+    if block_m == 1 and plain:
+        num_warps, recompute = _row_forward_config(block_n, dtype)
+        return Plan(shape, _softmax_fwd_row_kernel, dict(BLOCK_N=block_n, RECOMPUTE=recompute, num_warps=num_warps))
     return Plan(shape, _softmax_fwd_kernel, dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps),
                 rows_per_program=block_m)
 
 
 @functools.cache
-def _backward_plan(n_cols: int, element_size: int, device: torch.device, kernel: str | None, scaled: bool) -> Plan:
+def _backward_plan(n_cols: int, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, kernel: str | None,
+                   scaled: bool) -> Plan:
+    """``dtype``: the output's (the forward's result), ``grad_dtype``: the incoming gradient's."""
     _check_shape(kernel)
     shape = kernel or kernel_for(n_cols, backward=True)
     if shape == "split":
@@ -577,8 +669,12 @@ def _backward_plan(n_cols: int, element_size: int, device: torch.device, kernel:
         meta = dict(SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_N=block_n, num_warps=SPLIT_WARPS)
         return Plan(shape, _softmax_bwd_split_kernel, meta, split=split, stats_per_row=split)
     if shape == "looped":
-        return _looped_plan(_softmax_bwd_looped_kernel, LOOP_BACKWARD, n_cols, element_size, device, {})
+        return _looped_plan(_softmax_bwd_looped_kernel, LOOP_BACKWARD, n_cols, dtype.itemsize, device, {})
     block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
+    if block_m == 1:
+        num_warps, bits = _row_backward_config(block_n, dtype if grad_dtype == dtype else None)
+        return Plan(shape, _softmax_bwd_row_kernel, dict(BLOCK_N=block_n, SCALED=scaled, WIDEN_BITS=bits,
+                                                         num_warps=num_warps))
     return Plan(shape, _softmax_bwd_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled,
                                                  num_warps=num_warps), rows_per_program=block_m)
 
@@ -637,7 +733,7 @@ def softmax_forward(
     q_len = x.shape[-2] if x.dim() >= 2 else 1
     mask_arg, heads = _mask_view(mask, x) if mask is not None else (x2, (1, 0, 0, 0, 0))
     plain = mask is None and not is_causal and scale == 1.0 and stride_c == 1
-    plan = _forward_plan(n_cols, x.element_size(), x.device, kernel, mask is not None,
+    plan = _forward_plan(n_cols, x.dtype, x.device, kernel, mask is not None,
                          mask is not None and mask.dtype == torch.bool, is_causal, zero_empty_rows, plain)
     _launch_plan(plan, x.device, (x2, y, mask_arg),
                  (n_rows, n_cols, stride_r, stride_c, *heads, q_len, float(scale)), n_rows)
@@ -656,6 +752,6 @@ def softmax_backward(
     n_cols = out.shape[-1]
     out = out if out.is_contiguous() else out.contiguous()  # the kernels read out with row stride n_cols
     g2, n_rows, stride_r, stride_c = _rows(grad)
-    plan = _backward_plan(n_cols, out.element_size(), out.device, kernel, scale != 1.0)
+    plan = _backward_plan(n_cols, out.dtype, grad.dtype, out.device, kernel, scale != 1.0)
     _launch_plan(plan, out.device, (g2, out, dx), (n_rows, n_cols, stride_r, stride_c, float(scale)), n_rows)
     return dx
