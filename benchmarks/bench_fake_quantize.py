@@ -34,7 +34,7 @@ import time
 
 import torch
 import triton
-from timing import kernel_ms, report
+from timing import kernel_ms, report, time_rounds
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -110,7 +110,7 @@ def torch_dynamic_per_channel(w):
     return torch.fake_quantize_per_channel_affine(w, scale, torch.zeros_like(scale, dtype=torch.int32), 0, QMIN, QMAX)
 
 
-def bench(copy_bw_of) -> list[dict]:
+def bench(copy_bw_of, rounds: int) -> list[dict]:
     torch.manual_seed(0)
     rows = []
     w = torch.randn(N, N, device=DEVICE) * 0.05
@@ -121,12 +121,13 @@ def bench(copy_bw_of) -> list[dict]:
     copy_bw = copy_bw_of(w)
     fwd_bytes, ste_bytes, lsq_bytes = FWD_BYTES * numel, (FWD_BYTES + STE_BWD_BYTES) * numel, (FWD_BYTES + 12) * numel
 
-    def add(case, impl, fn, nbytes, timer=median_ms):
+    timed = []  # (fn, timer) per row, timed together at the end (timing.time_rounds)
+
+    def add(case, impl, fn, nbytes, timer=median_ms, copy_bw=copy_bw):
         fn()
         sync()
-        ms = timer(fn)
-        rows.append(dict(case=case, impl=impl, ms=ms, frac=nbytes / (ms * 1e-3) / copy_bw, tbs=nbytes / ms / 1e9))
-        print(rows[-1], flush=True)
+        rows.append(dict(case=case, impl=impl, nbytes=nbytes, copy_bw=copy_bw))
+        timed.append((fn, timer))
 
     # --- static per channel, forward
     stock = lambda x: torch.fake_quantize_per_channel_affine(x, scale, zp, 0, QMIN, QMAX)  # noqa: E731
@@ -170,7 +171,6 @@ def bench(copy_bw_of) -> list[dict]:
     compiled_d = torch.compile(torch_dynamic_per_channel, **COMPILE)
     for impl, f in (("torch eager", torch_dynamic_per_channel), ("torch.compile", compiled_d), ("fused", fused_d)):
         add(case, impl, grad_of(f, wr, g), ste_bytes)
-    del wr, s_l, z_l, g
     # --- dynamic per-token int8 activations, forward + backward
     x = (torch.randn(TOKENS, WIDTH, device=DEVICE) * 3).requires_grad_()
     gx = torch.randn_like(x)
@@ -180,13 +180,12 @@ def bench(copy_bw_of) -> list[dict]:
     fused_t = lambda t: call(fq_ops.fake_quantize_dynamic, t, QMIN, QMAX, WIDTH, False)[0]  # noqa: E731
     for impl, f in (("torchao formula eager", _TorchaoPerToken.apply), ("torchao formula torch.compile", compiled_t),
                     ("fused", fused_t)):
-        fn = grad_of(f, x, gx)
-        fn()
-        sync()
-        ms = median_ms(fn)
-        nbytes = (FWD_BYTES + STE_BWD_BYTES) * x.numel()
-        rows.append(dict(case=case, impl=impl, ms=ms, frac=nbytes / (ms * 1e-3) / copy_bw_x, tbs=nbytes / ms / 1e9))
-        print(rows[-1], flush=True)
+        add(case, impl, grad_of(f, x, gx), (FWD_BYTES + STE_BWD_BYTES) * x.numel(), copy_bw=copy_bw_x)
+    for row, times in zip(rows, time_rounds(timed, rounds), strict=True):
+        ms = min(times)
+        nbytes, copy_bw = row.pop("nbytes"), row.pop("copy_bw")
+        row.update(ms=ms, slowest_ms=max(times), frac=nbytes / (ms * 1e-3) / copy_bw, tbs=nbytes / ms / 1e9)
+        print(row, flush=True)
     return rows
 
 
@@ -266,13 +265,14 @@ def host_overhead() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | impl | ms | TB/s (fused bytes) | of copy | fused speed-up |", "|" + "---|" * 6]
+    lines = ["| case | impl | ms | TB/s (fused bytes) | of copy | fused speed-up | slowest round ms |",
+             "|" + "---|" * 7]
     for case in dict.fromkeys(r["case"] for r in rows):
         cells = [r for r in rows if r["case"] == case]
         fused = min((r for r in cells if r["impl"].startswith("fused")), key=lambda r: r["ms"])
         for r in cells:
             lines.append(f"| {case} | {r['impl']} | {r['ms']:.3f} | {r['tbs']:.2f} | {r['frac']:.0%} | "
-                         f"{r['ms'] / fused['ms']:.2f}x |")
+                         f"{r['ms'] / fused['ms']:.2f}x | {r['slowest_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -283,6 +283,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at several tile sizes")
     parser.add_argument("--dry-run", action="store_true", help="run the script on CPU at tiny sizes (no timing)")
     parser.add_argument("--host", action="store_true", help="also time the host side of each path (tiny weight)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (each row: its best)")
     args = parser.parse_args()
     if args.dry_run:
         global N, TOKENS, WIDTH, DEVICE, COMPILE, DRY_RUN
@@ -299,12 +300,14 @@ def main() -> None:
         copies[tuple(t.shape)] = copy_bandwidth(t)
         return copies[tuple(t.shape)]
 
-    rows = bench(copy_bw_of)
+    rows = bench(copy_bw_of, args.rounds)
     copy_text = ", ".join(f"{'x'.join(map(str, k))} fp32 {v / 1e12:.2f} TB/s" for k, v in copies.items())
     header = (
         f"# fake_quantize -- {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton "
         f"{triton.__version__}, python {platform.python_version()}. 8192 x 8192 fp32 weight, per-channel (axis 0) "
-        "int8 [-128, 127], random data and qparams; do_bench median; forward+backward via torch.autograd.grad "
+        "int8 [-128, 127], random data and qparams; each row the best of "
+        f"{args.rounds} interleaved rounds (every row timed once per round) of a do_bench median; "
+        "forward+backward via torch.autograd.grad "
         f"(no .grad accumulation). Device-to-device copy (read + write) in the same run: {copy_text}. "
         "'TB/s (fused bytes)' is the fused kernels' traffic for the case (8.125 B/element forward: x, y and a "
         "mask bit; 16.25 B/element forward+backward with the straight-through gradient, 20.125 with LSQ's) / that "

@@ -17,7 +17,7 @@ import time
 
 import torch
 import triton
-from timing import report
+from timing import report, time_rounds
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -65,18 +65,17 @@ def softmax_peers():
     return peers
 
 
-def bench_softmax(copy_bw: float) -> list[dict]:
+def bench_softmax() -> list[dict]:
+    """Rows to time (each with its fn): every peer at every row length, forward and forward+backward."""
     rows = []
     for n_cols in COLS:
         x = torch.randn(TENSOR_BYTES // (2 * n_cols), n_cols, device="cuda", dtype=torch.bfloat16)
         x.requires_grad_()
         grad = torch.randn_like(x)
         for name, f in softmax_peers().items():
-            for mode, n_tensors, fn in (("fwd", 2, lambda f=f: f(x)), ("fwd+bwd", 5, forward_backward(f, x, grad))):
-                ms = median_ms(fn)
-                bw = n_tensors * TENSOR_BYTES / (ms * 1e-3)
-                rows.append(dict(op="softmax", cols=n_cols, mode=mode, impl=name, ms=ms, tbs=bw / 1e12,
-                                 frac=bw / copy_bw))
+            for mode, n_tensors, fn in (("fwd", 2, lambda f=f, x=x: f(x)),
+                                        ("fwd+bwd", 5, forward_backward(f, x, grad))):
+                rows.append(dict(op="softmax", cols=n_cols, mode=mode, impl=name, n_tensors=n_tensors, fn=fn))
     return rows
 
 
@@ -84,8 +83,8 @@ def stock_masked(scores, scale, keep):
     return (scores * scale).masked_fill(~keep, float("-inf")).softmax(-1)
 
 
-def bench_masked(copy_bw: float) -> list[dict]:
-    """Causal scaled-masked softmax on (B*H, L, L) bf16 scores of 256 MiB."""
+def bench_masked() -> list[dict]:
+    """Rows to time: causal scaled-masked softmax on (B*H, L, L) bf16 scores of 256 MiB."""
     rows = []
     compiled = torch.compile(stock_masked, dynamic=False)
     for seq in (1024, 4096):
@@ -95,17 +94,24 @@ def bench_masked(copy_bw: float) -> list[dict]:
         keep = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
         impls = {
             "fused": lambda s: fl.scaled_masked_softmax(s, 0.125, is_causal=True),
-            "torch": lambda s: stock_masked(s, 0.125, keep),
-            "compile": lambda s: compiled(s, 0.125, keep),
+            "torch": lambda s, keep=keep: stock_masked(s, 0.125, keep),
+            "compile": lambda s, keep=keep: compiled(s, 0.125, keep),
         }
         for name, f in impls.items():
-            for mode, n_tensors, fn in (("fwd", 2, lambda f=f: f(scores)),
+            for mode, n_tensors, fn in (("fwd", 2, lambda f=f, s=scores: f(s)),
                                         ("fwd+bwd", 5, forward_backward(f, scores, grad))):
-                ms = median_ms(fn)
-                bw = n_tensors * TENSOR_BYTES / (ms * 1e-3)
-                rows.append(dict(op="causal masked", cols=seq, mode=mode, impl=name, ms=ms, tbs=bw / 1e12,
-                                 frac=bw / copy_bw))
+                rows.append(dict(op="causal masked", cols=seq, mode=mode, impl=name, n_tensors=n_tensors, fn=fn))
     return rows
+
+
+def time_rows(rows: list[dict], copy_bw: float, rounds: int) -> None:
+    """Time every row's fn in interleaved rounds (``timing.time_rounds``); a row's speed is its best round's."""
+    for row in rows:  # compile and warm up everything before the first round
+        row["fn"]()
+    torch.cuda.synchronize()
+    for row, times in zip(rows, time_rounds([(row.pop("fn"), median_ms) for row in rows], rounds), strict=True):
+        bw = row["n_tensors"] * TENSOR_BYTES / (min(times) * 1e-3)
+        row.update(ms=min(times), slowest_ms=max(times), tbs=bw / 1e12, frac=bw / copy_bw)
 
 
 # Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, warps, bits); None keeps the shipped choice.
@@ -162,8 +168,11 @@ def table(rows: list[dict], copy_bw: float) -> str:
         best_peer = min(r["ms"] for i, r in cells.items() if i != "fused")
         line = f"| {key[0]} | {key[1]} | {key[2]} | "
         line += " | ".join(f"{cells[i]['tbs']:.2f} ({cells[i]['frac']:.0%})" if i in cells else "-" for i in impls)
-        line += f" | {best_peer / cells['fused']['ms']:.2f}x |"
+        line += f" | {best_peer / cells['fused']['ms']:.3f}x |"
         lines.append(line)
+    spread = [f"{r['op']} {r['cols']} {r['mode']} {r['impl']} {r['slowest_ms'] / r['ms']:.2f}x" for r in rows
+              if r["slowest_ms"] > 1.03 * r["ms"]]
+    lines.append("\nRows whose slowest round took over 3% longer than their best: " + (", ".join(spread) or "none"))
     return "\n".join(lines)
 
 
@@ -197,17 +206,20 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the Markdown table here")
     parser.add_argument("--tune", action="store_true", help="also sweep kernel configs")
     parser.add_argument("--host", action="store_true", help="also time each eager call's host cost")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (each row: its best)")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
     if args.tune:
         tune(copy_bw)
-    rows = bench_softmax(copy_bw) + bench_masked(copy_bw)
+    rows = bench_softmax() + bench_masked()
+    time_rows(rows, copy_bw, args.rounds)
     header = (
         f"# softmax — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
         f"python {platform.python_version()}. bf16, 256 MiB per tensor; device-to-device copy "
-        f"{copy_bw / 1e12:.2f} TB/s (read + write) measured in the same run. do_bench median.\n"
+        f"{copy_bw / 1e12:.2f} TB/s (read + write) measured in the same run. Each row: the best of "
+        f"{args.rounds} interleaved rounds of a do_bench median (every row timed once per round).\n"
         "Bytes: fwd 2 tensors, fwd+bwd 5. 'causal masked' is softmax(scores*0.125) with a causal mask on "
         "(N, L, L) scores, cols = L; the torch peer is (scores*scale).masked_fill(~mask, -inf).softmax(-1).\n\n"
     )
