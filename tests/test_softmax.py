@@ -145,6 +145,23 @@ def test_row_kernel_plans():
     assert kernels._backward_plan(1024, bf16, bf16, cpu, None, False).kernel is kernels._softmax_bwd_kernel
 
 
+def test_row_kernel_configs_per_gpu(monkeypatch):
+    """The row kernels' settings follow the GPU (ROW_FORWARD / ROW_BACKWARD; unknown GPUs take the H200's), the
+    flags only for bf16, short and unlisted rows the defaults."""
+    cuda, bf16, fp16 = torch.device("cuda"), torch.bfloat16, torch.float16
+    for name, bwd_16k_bf16, fwd_16k_bf16 in (("NVIDIA H100 80GB HBM3", (16, False), (16, False)),
+                                             ("NVIDIA H200", (16, True), (4, False)), ("", (16, True), (4, False))):
+        monkeypatch.setattr(kernels, "_device_name", lambda device, name=name: name)
+        assert kernels._row_backward_config(16384, bf16, cuda) == bwd_16k_bf16, name
+        assert kernels._row_forward_config(16384, bf16, cuda) == fwd_16k_bf16, name
+        assert kernels._row_forward_config(1024, bf16, cuda) == (4, False), name
+        assert kernels._row_forward_config(65536, bf16, cuda) == (32, False), name
+        for block_n in (2048, 4096, 8192, 16384, 32768):
+            for dtype in (fp16, torch.float32, None):
+                assert not kernels._row_backward_config(block_n, dtype, cuda)[1], (name, block_n, dtype)
+            assert not kernels._row_forward_config(block_n, fp16, cuda)[1], (name, block_n)
+
+
 @pytest.mark.parametrize("n_cols", [2000, 3000, 5000, 16000])
 def test_softmax_row_kernels_bf16(monkeypatch, n_cols):
     """bf16 rows through the row kernels, whose widening by bits and recomputed exp are exact rewrites: the same
@@ -164,8 +181,8 @@ def test_softmax_row_kernels_bf16(monkeypatch, n_cols):
         _check_softmax(x, -1)
     y, dx = run()
     forward, backward = kernels._row_forward_config, kernels._row_backward_config
-    monkeypatch.setattr(kernels, "_row_forward_config", lambda block_n, dtype: (forward(block_n, dtype)[0], False))
-    monkeypatch.setattr(kernels, "_row_backward_config", lambda block_n, dtype: (backward(block_n, dtype)[0], False))
+    monkeypatch.setattr(kernels, "_row_forward_config", lambda *args: (forward(*args)[0], False))
+    monkeypatch.setattr(kernels, "_row_backward_config", lambda *args: (backward(*args)[0], False))
     y_plain, dx_plain = run()
     assert torch.equal(y, y_plain) and torch.equal(dx, dx_plain)
 

@@ -548,38 +548,59 @@ def _one_pass_config(n_cols: int, backward: bool = False, device: torch.device |
     return block_m, block_n, num_warps
 
 
-def _row_forward_config(block_n: int, dtype: torch.dtype) -> tuple[int, bool]:
-    """(num_warps, RECOMPUTE) of ``_softmax_fwd_row_kernel`` for rows of ``block_n`` columns (a power of 2).
+# Settings of the row kernels: (num_warps, RECOMPUTE for the forward / WIDEN_BITS for the backward) per GPU, row block
+# (columns rounded up to a power of 2) and dtype ("*": any other, or output and gradient of different dtypes; the
+# flags only ever for bf16). Unknown GPUs take the H200's. Blocks not listed (the forward's 1K rows on an H100; rows
+# longer than kernel_for gives these kernels) take ROW_DEFAULT. Measured per GPU with the kernels alone, 256 MiB
+# tensors, fraction of copy, three rounds (benchmarks/results/h200-softmax.md, h100-softmax.md), against the 2-D
+# kernels with one row per program that ran these rows before:
+# - H200 forward: 4 warps (bf16 16K 0.953-0.958 against 0.929-0.938; fp16 16K 0.957-0.963 / 0.933); bf16 2K and 8K
+#   recompute exp (2K 0.998-0.999 / 0.989-0.994; 8K with 8 warps 0.985 / 0.956-0.962); fp32 8K with 16 warps (0.973 /
+#   0.961-0.966), 16K with 8 (0.969-0.970 / 0.967-0.972).
+# - H200 backward: 16 warps from 4K (bf16 4K / 8K 1.033-1.038 against 1.025-1.029); bf16 4K, 16K and 32K widened by
+#   bits (16K 1.026 against 0.986-0.988 without and 0.999-1.002 for the 2-D kernel; 32K 1.009-1.012 / 1.003-1.006 /
+#   1.000; at 8K bits lose: 1.022-1.026 / 1.034-1.037); fp16 16K with 4 warps (1.018-1.021 / 0.998 with 16 / 1.003).
+# - H100 forward: 4 warps up to 4K (bf16 4K 0.992-0.995 / 0.990-0.993), 16 from 8K (bf16 8K recomputing exp
+#   0.997-1.000 / 0.990-0.992; 16K 0.995 / 0.995; fp16 16K 0.984-0.986 / 0.990-0.993; fp32 8K 0.995 / 0.991).
+# - H100 backward: 16 warps from 4K, without bits (bf16 16K 1.016-1.018 against 1.010 with bits and 1.019 for the 2-D
+#   kernel; 8K 1.020 / 1.014), 8 warps at 32K (bf16 with bits 1.004-1.006 / 0.993-0.995; fp16 1.006-1.008 /
+#   0.994-0.996).
+ROW_FORWARD = {
+    "H100": {4096: {"*": (4, False)}, 8192: {"bf16": (16, True), "*": (16, False)}, 16384: {"*": (16, False)}},
+    "H200": {2048: {"bf16": (4, True), "*": (4, False)}, 4096: {"*": (4, False)},
+             8192: {"bf16": (8, True), "fp32": (16, False), "*": (4, False)},
+             16384: {"fp32": (8, False), "*": (4, False)}},
+}
+ROW_BACKWARD = {
+    "H100": {4096: {"*": (16, False)}, 8192: {"*": (16, False)}, 16384: {"*": (16, False)},
+             32768: {"bf16": (8, True), "*": (8, False)}},
+    "H200": {4096: {"bf16": (16, True), "*": (16, False)}, 8192: {"*": (16, False)},
+             16384: {"bf16": (16, True), "fp16": (4, False), "*": (16, False)},
+             32768: {"bf16": (16, True), "*": (16, False)}},
+}
+ROW_DEFAULT = {"forward": (4, 32), "backward": (4, 16)}  # warps up to 2K columns, and beyond
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-    Measured on an H200, kernels alone, 256 MiB tensors, fraction of copy, three rounds (h200-softmax.md): 4 warps at
-    2K-16K columns (bf16 16K: 0.953-0.958 against 0.929-0.938 for the 2-D kernel with 32 warps; 4K: 0.971 / 0.964-0.969;
-    fp16 16K: 0.957-0.963 / 0.933), except bf16 rows of 2K and 8K, which recompute exp (2K: 0.998-0.999 against
-    0.989-0.994; 8K, with 8 warps: 0.985 against 0.960-0.965), and fp32 rows of 8K (16 warps: 0.973 / 0.959-0.963) and
-    16K (8 warps: 0.969-0.970 / 0.958-0.962). Longer rows (only when forced, see ``kernel_for``) 32 warps.
-    """
-    if block_n > 16384:
-        return 32, False
-    if dtype == torch.bfloat16 and block_n in (2048, 8192):
-        return (8 if block_n == 8192 else 4), True
-    if dtype == torch.float32 and block_n in (8192, 16384):
-        return (16 if block_n == 8192 else 8), False
-    return 4, False
+
+def _row_config(table: dict, default: tuple[int, int], block_n: int, dtype: torch.dtype | None,
+                device: torch.device | None) -> tuple[int, bool]:
+    """(num_warps, flag) for a row kernel from ``table`` (ROW_FORWARD or ROW_BACKWARD)."""
+    by_dtype = _on_gpu(device, table, table["H200"]).get(block_n)
+    if by_dtype is None:
+        return default[0] if block_n <= 2048 else default[1], False
+    return by_dtype.get(_DTYPE_KEYS.get(dtype), by_dtype["*"])
 
 
-def _row_backward_config(block_n: int, dtype: torch.dtype | None) -> tuple[int, bool]:
-    """(num_warps, WIDEN_BITS) of ``_softmax_bwd_row_kernel`` for rows of ``block_n`` columns (a power of 2) whose
-    output and gradient have ``dtype`` (None: different dtypes).
+def _row_forward_config(block_n: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[int, bool]:
+    """(num_warps, RECOMPUTE) of ``_softmax_fwd_row_kernel`` (see ROW_FORWARD)."""
+    return _row_config(ROW_FORWARD, ROW_DEFAULT["forward"], block_n, dtype, device)
 
-    Measured as ``_row_forward_config``: 4 warps up to 2K columns, 16 beyond (bf16 4K / 8K: 1.033-1.037 against
-    1.025-1.029 for the 2-D kernel); bf16 rows of 4K, 16K and 32K widened by bits (16K: 1.026 against 0.986-0.988
-    without and 0.999-1.002 for the 2-D kernel; 32K: 1.009-1.012 / 1.003-1.006 / 1.000; at 8K 1.022-1.026 against
-    1.034-1.037 without); fp16 rows of 16K with 4 warps (1.018-1.021 against 0.998 with 16, 1.003 for the 2-D kernel).
-    """
-    if block_n <= 2048:
-        return 4, False
-    if dtype == torch.float16 and block_n == 16384:
-        return 4, False
-    return 16, dtype == torch.bfloat16 and block_n != 8192
+
+def _row_backward_config(block_n: int, dtype: torch.dtype | None, device: torch.device | None = None
+                         ) -> tuple[int, bool]:
+    """(num_warps, WIDEN_BITS) of ``_softmax_bwd_row_kernel`` for output and gradient of ``dtype`` (None: of different
+    dtypes; see ROW_BACKWARD)."""
+    return _row_config(ROW_BACKWARD, ROW_DEFAULT["backward"], block_n, dtype, device)
 
 
 def _mask_view(mask: torch.Tensor, x: torch.Tensor):
@@ -651,7 +672,7 @@ def _forward_plan(n_cols: int, dtype: torch.dtype, device: torch.device, kernel:
         return _looped_plan(_softmax_fwd_looped_kernel, LOOP_FORWARD, n_cols, element_size, device, flags)
     block_m, block_n, num_warps = _one_pass_config(n_cols, device=device)
     if block_m == 1 and plain:
-        num_warps, recompute = _row_forward_config(block_n, dtype)
+        num_warps, recompute = _row_forward_config(block_n, dtype, device)
         return Plan(shape, _softmax_fwd_row_kernel, dict(BLOCK_N=block_n, RECOMPUTE=recompute, num_warps=num_warps))
     return Plan(shape, _softmax_fwd_kernel, dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps),
                 rows_per_program=block_m)
@@ -672,7 +693,7 @@ def _backward_plan(n_cols: int, dtype: torch.dtype, grad_dtype: torch.dtype, dev
         return _looped_plan(_softmax_bwd_looped_kernel, LOOP_BACKWARD, n_cols, dtype.itemsize, device, {})
     block_m, block_n, num_warps = _one_pass_config(n_cols, backward=True)
     if block_m == 1:
-        num_warps, bits = _row_backward_config(block_n, dtype if grad_dtype == dtype else None)
+        num_warps, bits = _row_backward_config(block_n, dtype if grad_dtype == dtype else None, device)
         return Plan(shape, _softmax_bwd_row_kernel, dict(BLOCK_N=block_n, SCALED=scaled, WIDEN_BITS=bits,
                                                          num_warps=num_warps))
     return Plan(shape, _softmax_bwd_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled,
