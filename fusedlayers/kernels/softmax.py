@@ -534,7 +534,9 @@ ONE_PASS_FORWARD_ELEMENTS_ON = {"H100": 1024}
 
 
 def _one_pass_config(n_cols: int, backward: bool = False, device: torch.device | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for the one-pass kernels on ``device``: rows of ~1K-32K elements per program.
+    """(BLOCK_M, BLOCK_N, num_warps) for the 2-D one-pass kernels on ``device``: rows of ~1K-32K elements per program.
+    (Where BLOCK_M is 1 the row kernels run instead, with ROW_FORWARD / ROW_BACKWARD's warps; the forward's for plain
+    rows only, so these warps serve masked or strided rows of one program each.)
 
     Measured on an H200 and an H100 (benchmarks/results/h200-softmax.md, h100-softmax.md): from 16K elements the
     forward wants 32 warps, the backward 16 (equal at 16K columns; at 32K 0.99 vs 0.97 of copy on the H100, 1.01 vs
