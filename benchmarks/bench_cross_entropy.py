@@ -5,7 +5,10 @@ Memory-bound: reports time, the bytes of three logits-sized passes (forward read
 per second as a fraction of a device-to-device copy measured in the same run, and the peak memory
 allocated beyond what existed before the call (logits and targets), also as a multiple of the logits.
 
-    python benchmarks/bench_cross_entropy.py [--out benchmarks/results/<device>-cross_entropy.md]
+    python benchmarks/bench_cross_entropy.py [--out benchmarks/results/<device>-cross_entropy.md] [--variants]
+
+``--variants`` adds a table for class weights (with label smoothing) and class-probability targets: fused
+against torch (bf16, fp32 upcast) and torch.compile, fused time relative to the plain class-index fused row.
 
 Liger-Kernel is optional (carried as a wheel to the lent GPU); its rows are skipped without it. Liger
 writes its gradient into the logits in place, so it runs on its own copy of them.
@@ -122,8 +125,63 @@ def bench(copy_bw: float) -> list[dict]:
 
 
 def chosen_configs() -> str:
-    return "; ".join(f"{key[0]} cols<={key[1]} {key[4]}: BLOCK_N={n} num_warps={w}"
+    def flags(key) -> str:
+        on = [name for name, value in zip(kernels.FLAGS, key[4], strict=True) if value]
+        return f" [{','.join(on)}]" if on else ""
+
+    return "; ".join(f"{key[0]} cols<={key[1]} {key[2]}{flags(key)}: BLOCK_N={n} num_warps={w}"
                      for key, (n, w) in kernels._tuned_configs.items())
+
+
+def bench_variants(n_rows: int = 8192, n_classes: int = 128256) -> list[dict]:
+    """fwd+bwd ms of weighted (+ smoothing) and probability-target cross-entropy, fused against torch."""
+    torch.manual_seed(0)
+    x = (torch.randn(n_rows, n_classes, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, n_classes, (n_rows,), device="cuda")
+    t[::10] = -100
+    w = (torch.rand(n_classes, device="cuda") + 0.5).to(torch.bfloat16)
+    q = torch.rand(n_rows, n_classes, device="cuda").softmax(-1).to(torch.bfloat16)
+    cases = {
+        "class index": (t, None, 0.0),
+        "class index + weight + smoothing 0.1": (t, w, 0.1),
+        "probabilities": (q, None, 0.0),
+        "probabilities + weight": (q, w, 0.0),
+    }
+    def upcast(x, t, w, e):  # torch wants the weights in the logits' dtype
+        t = t.float() if t.is_floating_point() else t
+        return F.cross_entropy(x.float(), t, w.float() if w is not None else None, label_smoothing=e)
+
+    compiled = torch.compile(upcast, dynamic=False)
+    rows = []
+    for case, (target, weight, e) in cases.items():
+        peers = {
+            "fused": lambda: fl.cross_entropy(x, target, weight, label_smoothing=e),
+            "torch bf16": lambda: F.cross_entropy(x, target, weight, label_smoothing=e),
+            "torch fp32 upcast": lambda: upcast(x, target, weight, e),
+            "torch.compile": lambda: compiled(x, target, weight, e),
+        }
+        for name, f in peers.items():
+            try:
+                ms = median_ms(lambda f=f: torch.autograd.grad(f(), x))
+            except torch.OutOfMemoryError:
+                print(f"{case} {name}: out of memory")
+                continue
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append(dict(case=case, impl=name, ms=ms))
+            print(rows[-1])
+    return rows
+
+
+def variants_table(rows: list[dict]) -> str:
+    plain = next(r["ms"] for r in rows if r["case"] == "class index" and r["impl"] == "fused")
+    lines = ["| 8192 x 128256 bf16, targets | impl | fwd+bwd ms | / fused of the case | / fused class index |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        fused = next(x["ms"] for x in rows if x["case"] == r["case"] and x["impl"] == "fused")
+        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['ms'] / fused:.2f} | {r['ms'] / plain:.2f} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -143,6 +201,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write the Markdown table here")
+    parser.add_argument("--variants", action="store_true", help="also time class weights and probability targets")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
@@ -159,6 +218,9 @@ def main() -> None:
         f"Autotuned kernel configs: {chosen_configs()}\n\n"
     )
     text = header + table(rows) + "\n"
+    if args.variants:
+        text += "\nClass weights and class-probability targets (fwd+bwd, torch.autograd.grad):\n\n"
+        text += variants_table(bench_variants()) + "\n"
     report(text, args.out)
 
 

@@ -157,7 +157,7 @@ def eval_checkpoint_on_one_device(run: dict, smoke: bool) -> dict:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from models.lit import GPTLitModule
+    from models.lit import GPTLitModule, load_checkpoint
 
     run_dir = Path(run["run_dir"])
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -166,7 +166,7 @@ def eval_checkpoint_on_one_device(run: dict, smoke: bool) -> dict:
         return {**out, "error": "no single-file last.ckpt"}
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda:0")
     try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = load_checkpoint(ckpt)  # torch.load(weights_only=True): tensors and plain values only
         module = GPTLitModule(**state["hyper_parameters"])
         module.load_state_dict(state["state_dict"], strict=True)  # the full weights, 1-device names and shapes
         module.to(device).eval()

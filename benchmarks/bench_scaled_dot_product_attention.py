@@ -142,8 +142,9 @@ def _run_kernel_once(kind, b, h, length, d, causal, q, k, v, do):
         K.attention_forward(q, k, v, None, None, causal, d**-0.5)
         return
     out, lse = K.attention_forward(q, k, v, None, None, causal, d**-0.5)
-    need = (kind == "dq", kind == "dkdv", kind == "dkdv", False)
-    return lambda: K.attention_backward(do, q, k, v, out, lse, None, None, causal, d**-0.5, *need)
+    dq = torch.empty_like(q) if kind == "dq" else None
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if kind == "dkdv" else (None, None)
+    return lambda: K.attention_backward(do, q, k, v, out, lse, None, None, causal, d**-0.5, dq, dk, dv, None)
 
 
 def _compile_job(job):

@@ -91,7 +91,7 @@ def check_index_tensor(name: str, value) -> Tensor:
     check_tensor(name, value)
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must hold class indices (int64, int32, int16, int8 or uint8), got {value.dtype}"
-                        + ("; class-probability targets are not supported" if value.is_floating_point() else ""))
+                        + ("; class probabilities must have the logits' shape" if value.is_floating_point() else ""))
     return value
 
 
@@ -111,20 +111,10 @@ def check_target_range(name: str, target: Tensor, num_classes: int, ignore_index
 
 # ----------------------------------------------------------------------------- attention
 
-ATTENTION_HEAD_DIMS = "a multiple of 8 from 16 to 256 (e.g. 16, 32, 64, 80, 96, 128, 256)"
-
-
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
-
-
-def check_attention_head_dim(name: str, size: int) -> int:
-    """Head dims the attention kernels take: multiples of 8 from 16 to 256."""
-    if not (16 <= size <= 256 and size % 8 == 0):
-        raise ValueError(f"{name} has head dim {size}; supported: {ATTENTION_HEAD_DIMS}")
-    return size
 
 
 def check_broadcastable_to(name: str, value: Tensor, shape: tuple[int, ...]) -> None:

@@ -12,21 +12,27 @@ from fusedlayers import _validate as v
 from fusedlayers.ops import checkpoint as _checkpoint_ops
 from fusedlayers.ops import cross_entropy as _cross_entropy_ops
 from fusedlayers.ops import fake_quantize as _fake_quantize_ops
+from fusedlayers.ops import layer_norm as _layer_norm_ops
 from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops
+from fusedlayers.ops import rms_norm as _rms_norm_ops
 from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 from fusedlayers.ops import softmax as _softmax_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
-           "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic"]
+           "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
+           "rms_norm", "layer_norm"]
 
 
 def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
     """Softmax over ``dim``, equal to ``torch.softmax(input, dim, dtype=dtype)``.
 
     ``dtype``: if given, the output's dtype (input is cast to it first, as torch does; widening casts
-    happen inside the kernel for free). Accumulates in fp32 (fp64 for fp64). Any rank and shape,
-    non-contiguous input, empty tensors. A row of all -inf gives NaN, as in torch.
+    happen inside the kernel for free; so integer, bool and complex input work with a floating ``dtype``,
+    as in torch). Accumulates in fp32 (fp64 for fp64). Any rank and shape, non-contiguous input, empty
+    tensors. A row of all -inf gives NaN, as in torch. The output, and the gradient, are contiguous
+    tensors whatever the input's layout and ``dim``, as torch's are; a dim other than the last is reduced
+    in place (strided), without a transposed copy.
     """
     v.check_tensor("input", input)
     dim = v.check_dim("dim", dim, input.dim())
@@ -38,10 +44,8 @@ def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> T
         input = input.to(dtype)  # not a widening: torch rounds to dtype before the softmax
         dtype = None
     if input.dim() == 0:
-        return call(_softmax_ops.softmax, input.reshape(1), dtype).reshape(())
-    if dim == input.dim() - 1:
-        return call(_softmax_ops.softmax, input, dtype)
-    return call(_softmax_ops.softmax, input.movedim(dim, -1), dtype).movedim(-1, dim)
+        return call(_softmax_ops.softmax, input.reshape(1), 0, dtype).reshape(())
+    return call(_softmax_ops.softmax, input, dim, dtype)
 
 
 def scaled_masked_softmax(
@@ -78,18 +82,25 @@ def scaled_dot_product_attention(
     """FlashAttention-2 (Triton on CUDA, the same blockwise algorithm in PyTorch on CPU), equal to
     ``F.scaled_dot_product_attention`` with the same arguments.
 
-    Shapes: query (..., H, L, E), key (..., H_kv, S, E), value (..., H_kv, S, Ev) -> (..., H, L, Ev), with
-    the same leading batch dims (usually one: (B, H, L, E)). E and Ev: multiples of 8 from 16 to 256.
-    L and S may differ and need not be multiples of a block. ``enable_gqa``: H a multiple of H_kv, query
-    head h reads key/value head h // (H // H_kv) (K/V are not copied); otherwise H == H_kv.
-    ``attn_mask``: bool (True = keep) or additive float, broadcastable to (..., H, L, S), read tile by tile
-    (never expanded in memory); a float mask that requires grad gets its gradient. ``is_causal``: keep
-    key j for query i when j <= i (top-left aligned, as torch); may be combined with ``attn_mask``.
-    ``dropout_p``: dropout on the attention probabilities whenever > 0 (pass 0.0 in eval, as with torch);
-    the mask is regenerated in the backward from a seed drawn from torch's CPU generator, so
-    ``torch.manual_seed`` makes it reproducible (the random stream differs from torch's own).
-    ``scale``: default 1 / sqrt(E).
+    Shapes as torch's: query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev), at least 2 dims
+    each; the batch dims (...) broadcast against each other as in torch (e.g. query (B, H, L, E) with key/value
+    (H, S, E) or (1, H, S, E)), read through stride-0 views: K/V are not copied (only batch dims of more than
+    two levels that broadcast in a mixed pattern are collapsed by a copy). Any head dims E, Ev (0 too): up to
+    256 run the Triton kernels (padded to a power of two inside the kernels), larger ones the exact blockwise
+    PyTorch algorithm on the inputs' device. ``enable_gqa``: dim -3 (heads) of key/value may divide query's;
+    query head h reads key/value head h // (H / H_kv) (K/V are not copied). ``attn_mask``: bool (True = keep)
+    or additive float (float32 or query's dtype, as torch), broadcastable to (..., L, S), read tile by tile
+    (never expanded in memory); a float mask that requires grad gets its gradient. ``is_causal``: keep key j
+    for query i when j <= i (top-left aligned, as torch); may be combined with ``attn_mask``. ``dropout_p``:
+    dropout on the attention probabilities whenever > 0 (pass 0.0 in eval, as with torch); the mask is
+    regenerated in the backward from a seed drawn from torch's CPU generator, so ``torch.manual_seed`` makes
+    it reproducible (the random stream differs from torch's own:
+    ``fusedlayers.ops.scaled_dot_product_attention.dropout_keep_mask`` gives the mask that was applied).
+    ``scale``: default 1 / sqrt(E) (E = 0: the scores are 0 whatever the scale).
 
+    The output has the memory layout (strides) torch's SDPA gives for the same call, which follows the
+    kernel torch picks (on CPU: like ``query`` when its flash kernel runs, else contiguous); so do the
+    gradients where torch's layout is plain (see ``ops.scaled_dot_product_attention.torch_layout``).
     Rows whose keys are all masked give zeros (not NaN) and zero gradients. Accumulates in fp32 (fp64 for
     fp64); fp16/bf16/fp32 run the Triton kernels on CUDA. Saves only the inputs, the output and the
     logsumexp per row; the backward is deterministic and computes only the gradients that are needed.
@@ -106,54 +117,89 @@ def scaled_dot_product_attention(
     for name, t in (("key", key), ("value", value)):
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
-    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError("query, key and value must have the same number of dims, at least 3 ((B, H, L, E) "
-                         f"layout), got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
-        raise ValueError(f"query, key and value must have the same batch dims, got {tuple(query.shape[:-3])}, "
-                         f"{tuple(key.shape[:-3])}, {tuple(value.shape[:-3])}")
-    *batch, heads, q_len, head_dim = query.shape
-    kv_heads, k_len = key.shape[-3], key.shape[-2]
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        raise ValueError("query, key and value must have at least 2 dims ((..., L, E) layout), got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    q_len, head_dim = query.shape[-2:]
+    k_len = key.shape[-2]
     if key.shape[-1] != head_dim:
         raise ValueError(f"key head dim {key.shape[-1]} must equal query head dim {head_dim}")
-    if value.shape[-3:-1] != key.shape[-3:-1]:
-        raise ValueError(f"value (H_kv, S) = {tuple(value.shape[-3:-1])} must equal key's {tuple(key.shape[-3:-1])}")
-    v.check_attention_head_dim("query", head_dim)
-    v.check_attention_head_dim("value", value.shape[-1])
+    if value.shape[-2] != k_len:
+        raise ValueError(f"value has {value.shape[-2]} keys (dim -2) but key has {k_len}")
     enable_gqa = v.check_bool("enable_gqa", enable_gqa)
-    if enable_gqa:
-        if kv_heads == 0 or heads % kv_heads != 0:
-            raise ValueError(f"enable_gqa=True needs query heads ({heads}) to be a multiple of key/value heads "
-                             f"({kv_heads})")
-    elif kv_heads != heads:
-        raise ValueError(f"query has {heads} heads but key/value have {kv_heads}; pass enable_gqa=True for "
-                         "grouped-query attention")
+    q_batch, k_batch, v_batch = query.shape[:-2], key.shape[:-2], value.shape[:-2]
+    grouped = (enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 3
+               and not q_batch[-1] == k_batch[-1] == v_batch[-1])
+    try:
+        if grouped:
+            heads, kv_heads, v_heads = q_batch[-1], k_batch[-1], v_batch[-1]
+            batch = tuple(torch.broadcast_shapes(q_batch[:-1], k_batch[:-1], v_batch[:-1]))
+        else:
+            full = tuple(torch.broadcast_shapes(q_batch, k_batch, v_batch))
+            batch, heads = (full[:-1], full[-1]) if full else ((), 1)
+            kv_heads = v_heads = heads
+    except RuntimeError:
+        hint = ""
+        if min(query.dim(), key.dim()) >= 3 and q_batch[-1] != k_batch[-1] and not enable_gqa:
+            hint = (f" (query has {q_batch[-1]} heads, key/value {k_batch[-1]}: pass enable_gqa=True for "
+                    "grouped-query attention)")
+        raise ValueError(f"the batch dims of query {tuple(q_batch)}, key {tuple(k_batch)} and value "
+                         f"{tuple(v_batch)} do not broadcast{hint}") from None
+    if grouped and (kv_heads == 0 or v_heads == 0 or heads % kv_heads != 0 or heads % v_heads != 0):
+        raise ValueError(f"enable_gqa=True needs query heads ({heads}) to be a multiple of key/value heads "
+                         f"({kv_heads}, {v_heads})")
+    out_batch = (*batch, heads) if grouped or q_batch or k_batch or v_batch else ()
     dropout_p = v.check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
     is_causal = v.check_bool("is_causal", is_causal)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else v.check_number("scale", scale)
-    full_shape = (*batch, heads, q_len, k_len)
+    scale_arg = scale
+    if scale is not None:
+        scale = v.check_number("scale", scale)
+    if head_dim == 0:
+        scale = 1.0  # every score is 0
+    elif scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
     if attn_mask is not None:
         v.check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in v.FLOAT_DTYPES:
             raise TypeError(f"attn_mask must be bool (True = keep) or floating (additive), got {attn_mask.dtype}")
+        if (attn_mask.dtype not in (torch.bool, torch.float32, query.dtype)
+                and not torch.is_autocast_enabled(query.device.type)):
+            raise TypeError(f"a floating attn_mask must be float32 or query's dtype ({query.dtype}), as torch "
+                            f"requires, got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
-        v.check_broadcastable_to("attn_mask", attn_mask, full_shape)
+        v.check_broadcastable_to("attn_mask", attn_mask, (*out_batch, q_len, k_len))
+    layout = _attention_ops.torch_layout(query, key, value, attn_mask, dropout_p, is_causal, scale_arg,
+                                         enable_gqa)
+    if layout == _attention_ops.LAYOUT_CONTIGUOUS and (grouped or query.dim() < 3 or key.dim() < 3):
+        layout = _attention_ops.LAYOUT_CONTIGUOUS_DK  # torch's matmul folds to mm / repeats K: dk contiguous
 
-    # the op works on (B, H, L, E)
-    if query.dim() == 3:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    elif query.dim() > 4:
-        query, key, value = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-        if attn_mask is not None and attn_mask.dim() > 2:
-            attn_mask = attn_mask.expand(full_shape).reshape(-1, heads, q_len, k_len)
-    seed = torch.randint(0, 2**31, (2,), dtype=torch.int64) if dropout_p > 0.0 else None
+    # the op works on (B, H, L, E) with key/value (B, H_kv, S, E): broadcast batch dims become stride-0 views
+    if grouped and kv_heads != v_heads:  # torch repeats key and value apart: one group size needs copies
+        key = key.repeat_interleave(heads // kv_heads, -3)
+        value = value.repeat_interleave(heads // v_heads, -3)
+        kv_heads = heads
+    n_batch = math.prod(batch)
+
+    def fold(t: Tensor, h: int) -> Tensor:
+        t = t.expand(*batch, h, *t.shape[-2:])
+        return t.reshape(n_batch, h, *t.shape[-2:])
+
+    def fold_transposed(t: Tensor, h: int) -> Tensor:  # the same view, broadcast as t^T: torch's dK layout
+        return fold(t.transpose(-1, -2), h).transpose(-1, -2)
+
+    query, value = fold(query, heads), fold(value, kv_heads)
+    key = fold_transposed(key, kv_heads) if layout == _attention_ops.LAYOUT_CONTIGUOUS else fold(key, kv_heads)
+    if attn_mask is not None and len(batch) > 1 and attn_mask.dim() > 2:
+        attn_mask = attn_mask.expand(*out_batch, q_len, k_len).reshape(n_batch, heads, q_len, k_len)
+    seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
     out, _ = call(
-        _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal, scale
+        _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal,
+        scale, layout,
     )
-    return out.reshape(*batch, heads, q_len, out.shape[-1])
+    return out.reshape(*out_batch, q_len, out.shape[-1])
 
 
 def _check_loss_args(ignore_index, reduction, label_smoothing, z_loss) -> tuple[int, str, float, float]:
@@ -168,125 +214,292 @@ def _loss_dtype(input: Tensor) -> torch.dtype:
     return input.dtype
 
 
+def _check_class_weight(weight, n_classes: int, device: torch.device) -> Tensor | None:
+    if weight is None:
+        return None
+    v.check_float_tensor("weight", weight)
+    if tuple(weight.shape) != (n_classes,):
+        raise ValueError(f"weight must hold one weight per class, shape ({n_classes},), got {tuple(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"weight is on {weight.device} but input is on {device}")
+    return weight
+
+
+def _probabilities_dtype(dtype: torch.dtype, target: Tensor, weight: Tensor | None) -> torch.dtype:
+    """torch computes a class-probability loss in the promoted dtype of logits, target (and weights)."""
+    dtype = torch.promote_types(dtype, target.dtype)
+    return torch.promote_types(dtype, weight.dtype) if weight is not None else dtype
+
+
 def cross_entropy(
-    input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
-    label_smoothing: float = 0.0, z_loss: float = 0.0,
+    input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
+    ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean", label_smoothing: float = 0.0,
+    *, z_loss: float = 0.0,
 ) -> Tensor:
-    """Cross-entropy with class-index targets, equal to ``F.cross_entropy`` (no ``weight``) when ``z_loss=0``.
+    """Cross-entropy, equal to ``F.cross_entropy`` (same arguments, same positional order) when ``z_loss=0``.
 
-    Shapes as ``F.cross_entropy``: ``input`` (N, C) with ``target`` (N,); (C,) with a 0-d target; or
-    (N, C, d1, ...) with target (N, d1, ...) -- the class dim is dim 1, so flatten (B, T, C) logits to
-    (B*T, C) (and targets to (B*T,)) yourself, exactly as for ``F.cross_entropy``. ``target``: int64 (or
-    another integer dtype) class indices; class-probability targets are not supported.
+    Shapes as ``F.cross_entropy``: ``input`` (N, C), (C,) unbatched or (N, C, d1, ...) -- the class dim is dim 1,
+    so flatten (B, T, C) logits to (B*T, C) yourself, exactly as for ``F.cross_entropy``. ``target``: class
+    indices (int64, or another integer dtype) of shape (N,), () or (N, d1, ...), or class probabilities (a
+    floating tensor of ``input``'s shape; torch promotes logits, probabilities and weights to one dtype, and so
+    do we). ``weight``: None or (C,) per-class weights, with torch's semantics: a class-index row counts
+    ``weight[target]`` times, and "mean" divides by the sum of ``weight[target]`` over the non-ignored rows;
+    with label smoothing the smoothing term is weighted per class as torch does; with probabilities the
+    weights scale each class's term and "mean" divides by the number of rows. ``size_average``/``reduce``:
+    torch's legacy arguments, mapped as torch maps them (with its warning).
 
-    ``reduction``: "mean" (over the rows whose target is not ``ignore_index``), "sum" or "none" (shape of
-    ``target``; ignored rows give 0). If every target is ignored, "mean" returns NaN with zero gradients,
-    as torch does (0 / 0), and "sum" returns 0. ``label_smoothing`` in [0, 1], as torch. ``z_loss`` >= 0
-    adds ``z_loss * logsumexp(x)**2`` per non-ignored row (PaLM's auxiliary loss), reduced the same way.
+    ``reduction``: "mean", "sum" or "none" (shape of ``target`` without the class dim; ignored rows give 0).
+    If every target is ignored (or the batch is empty), "mean" returns NaN with zero gradients, as torch does
+    (0 / 0), and "sum" returns 0. ``label_smoothing`` in [0, 1], as torch. ``ignore_index`` applies to class
+    indices only (torch refuses it for probabilities, and so do we). ``z_loss`` >= 0 (keyword-only) adds
+    ``z_loss * logsumexp(x)**2`` per non-ignored row (PaLM's auxiliary loss; times ``weight[target]`` with
+    class weights), reduced the same way.
 
-    A target outside [0, C) that is not ``ignore_index`` raises ``TargetOutOfRangeError`` (a ValueError
-    and an IndexError) on CPU; on CUDA (where checking would synchronise) no kernel reads out of bounds
-    and that row's loss and gradient are NaN, so the reduced loss is NaN.
+    A class index outside [0, C) that is not ``ignore_index`` raises ``TargetOutOfRangeError`` (a ValueError
+    and an IndexError) on CPU; on CUDA (where checking would synchronise) no kernel reads out of bounds and
+    that row's loss and gradient are NaN, so the reduced loss is NaN.
 
-    The logits are read, never written (the gradient is a new tensor); accumulation in fp32 (fp64 for
-    fp64) and the loss in the input's dtype (fp32 under autocast, as torch). Saves the logits, targets
-    and one fp32 logsumexp per row for backward. Double backward is not supported.
+    The logits are read, never written (the gradient is a new tensor); accumulation in fp32 (fp64 for fp64,
+    which runs the PyTorch reference) and the loss in the input's dtype (fp32 under autocast, as torch).
+    Saves the logits, targets and one fp32 logsumexp per row (two with probabilities, or with weights and
+    smoothing) for backward. Probability targets that require grad get their gradient. Class weights that
+    require grad (torch: probabilities only) take a slower path of plain PyTorch ops.
     """
     v.check_float_tensor("input", input)
-    v.check_index_tensor("target", target)
+    v.check_tensor("target", target)
+    if size_average is not None or reduce is not None:
+        from torch.nn import _reduction
+
+        reduction = _reduction.legacy_get_string(size_average, reduce)
     ignore_index, reduction, label_smoothing, z_loss = _check_loss_args(ignore_index, reduction, label_smoothing,
                                                                         z_loss)
     if target.device != input.device:
         raise ValueError(f"target is on {target.device} but input is on {input.device}")
     if input.dim() == 0:
         raise ValueError("input must have at least 1 dim (the classes), got a 0-d tensor")
-    expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
-    if tuple(target.shape) != expected:
-        raise ValueError(f"target of shape {tuple(target.shape)} does not match input of shape "
-                         f"{tuple(input.shape)}: expected {expected} (the class dim of input is dim "
-                         f"{0 if input.dim() == 1 else 1})")
     n_classes = input.shape[0] if input.dim() == 1 else input.shape[1]
+    soft = target.is_floating_point()
+    if soft:
+        v.check_float_tensor("target", target)
+        if target.shape != input.shape:
+            raise ValueError(f"target of class probabilities (a floating tensor) must have input's shape "
+                             f"{tuple(input.shape)}, got {tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError("ignore_index is not supported for class-probability (floating) targets, as in torch")
+    else:
+        v.check_index_tensor("target", target)
+        expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+        if tuple(target.shape) != expected:
+            raise ValueError(f"target of shape {tuple(target.shape)} does not match input of shape "
+                             f"{tuple(input.shape)}: expected {expected} (the class dim of input is dim "
+                             f"{0 if input.dim() == 1 else 1}) for class indices, or input's shape for "
+                             "class probabilities")
     if n_classes == 0:
         raise ValueError(f"input must have at least one class, got shape {tuple(input.shape)}")
+    weight = _check_class_weight(weight, n_classes, input.device)
+    if soft:
+        dtype = _probabilities_dtype(input.dtype, target, weight)
+        input, target = input.to(dtype), target.to(dtype)
+    out_shape = target.shape if not soft else input.shape[:1] + input.shape[2:] if input.dim() > 1 else ()
     if input.dim() == 1:
-        logits = input.unsqueeze(0)
-    elif input.dim() == 2:
-        logits = input
-    else:
+        logits, target = input.unsqueeze(0), target.reshape(1, n_classes) if soft else target.reshape(1)
+    elif input.dim() > 2:
         logits = input.movedim(1, -1).reshape(-1, n_classes)
-    if target.dtype not in (torch.int64, torch.int32):
+        target = target.movedim(1, -1).reshape(-1, n_classes) if soft else target.reshape(-1)
+    else:
+        logits = input
+    if not soft and target.dtype not in (torch.int64, torch.int32):
         target = target.long()
-    loss, *_ = call(_cross_entropy_ops.cross_entropy, logits, target.reshape(-1), ignore_index, reduction,
-                    label_smoothing, z_loss, _loss_dtype(input))
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    out_dtype = _loss_dtype(input)
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        loss = _cross_entropy_ops.cross_entropy_composite(logits, target, weight, ignore_index, reduction,
+                                                          label_smoothing, z_loss).to(out_dtype)
+    else:
+        loss, *_ = call(_cross_entropy_ops.cross_entropy, logits, target, weight, ignore_index, reduction,
+                        label_smoothing, z_loss, out_dtype)
+    return loss.reshape(out_shape) if reduction == "none" else loss
+
+
+def _prod(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _aspect_ratio_rows(method: str, n_rows: int, hidden: int, n_classes: int) -> int:
+    """torch's LinearCrossEntropyOptions chunking_method "aspect_ratio[:k]": the logits chunk as big as the input,
+    divided by k: next_pow2(ceil(N / ceil(C / H))) // k rows."""
+    _, _, factor = method.partition(":")
+    target = -(-n_rows // -(-n_classes // hidden))
+    rows = 1 << max(target - 1, 0).bit_length()
+    return max(1, min(rows // int(factor or 1), n_rows))
+
+
+def _linear_ce_options(options, chunk_size, accumulation_dtype, n_rows: int, hidden: int, n_classes: int,
+                       compute_dtype: torch.dtype) -> tuple[int, torch.dtype, bool]:
+    """(rows per chunk, 0 = ours by default; grad_weight accumulation dtype; allow_retain_graph) from torch's
+    ``LinearCrossEntropyOptions`` and our keywords."""
+    chunk = acc = None
+    retain = False
+    if options is not None:
+        options_type = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+        if options_type is None:
+            raise TypeError("options: this torch has no torch.nn.LinearCrossEntropyOptions (torch >= 2.13); pass "
+                            "options=None and use chunk_size= / accumulation_dtype=")
+        if not isinstance(options, options_type):
+            raise TypeError(f"options must be a torch.nn.LinearCrossEntropyOptions or None, got "
+                            f"{type(options).__name__}")
+        retain = bool(options.allow_retain_graph)
+        if options.acc_dtype is not None:
+            acc = options.acc_dtype
+        elif options.acc_policy != "auto":  # torch: an explicit policy without acc_dtype accumulates in the input's
+            acc = compute_dtype
+        method = options.chunking_method
+        if options.batch_chunk_size is not None:
+            chunk = min(options.batch_chunk_size, max(n_rows, 1))
+            if method not in (None, "auto") and _aspect_ratio_rows(method, n_rows, hidden, n_classes) != chunk:
+                raise ValueError(f"options: batch_chunk_size={options.batch_chunk_size} and chunking_method="
+                                 f"{method!r} give different chunk sizes; pass only one")
+        elif method is None:
+            chunk = max(n_rows, 1)  # torch: one chunk
+        elif method != "auto":  # "auto" leaves the choice to us (torch's auto picks small chunks for its own op)
+            chunk = _aspect_ratio_rows(method, n_rows, hidden, n_classes)
+    if chunk_size is not None:
+        if v.check_int("chunk_size", chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None for automatic), got {chunk_size}")
+        if chunk is not None and chunk != min(chunk_size, max(n_rows, 1)):
+            raise ValueError(f"chunk_size={chunk_size} disagrees with the chunk size options ask for ({chunk})")
+        chunk = chunk_size
+    if accumulation_dtype is not None:
+        if not isinstance(accumulation_dtype, torch.dtype) or accumulation_dtype not in v.FLOAT_DTYPES:
+            raise TypeError(f"accumulation_dtype must be a floating torch.dtype or None, got {accumulation_dtype!r}")
+        if acc is not None and acc != accumulation_dtype:
+            raise ValueError(f"accumulation_dtype={accumulation_dtype} disagrees with options' acc_dtype ({acc})")
+        acc = accumulation_dtype
+    if acc is None:
+        acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    if acc not in v.FLOAT_DTYPES:
+        raise ValueError(f"options: acc_dtype must be a floating dtype, got {acc}")
+    return chunk or 0, acc, retain
 
 
 def linear_cross_entropy(
-    input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, ignore_index: int = -100,
-    reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0, *, chunk_size: int | None = None,
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None,
+    weight: Tensor | None = None, reduction: str = "mean", ignore_index: int | None = None,
+    label_smoothing: float = 0.0, options=None, z_loss: float = 0.0, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without materialising the logits.
+    """``F.linear_cross_entropy`` of torch >= 2.13 (same signature; works on older torch too), i.e.
+    ``fl.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight, ...)``, without
+    materialising the logits.
 
-    ``input`` (N, H) with ``target`` (N,); more leading dims are flattened: (..., H) with target (...),
-    i.e. the classes are the last dim of the logits (the value of ``F.cross_entropy`` on the flattened
-    logits; "none" returns target's shape). ``weight`` (V, H), ``bias`` (V,) or None, all one float dtype
-    (under autocast they are cast to the autocast dtype, as F.linear does, and the loss is fp32).
-    Arguments and loss semantics (ignored rows, "mean" over non-ignored rows, NaN when all are ignored,
-    label smoothing, z_loss, out-of-range targets) are those of ``fl.cross_entropy``.
+    Shapes as torch: ``input`` (N, H) or (H,) -- and, beyond torch, (..., H) with the leading dims flattened;
+    ``linear_weight`` (C, H), or (C, d1, ..., dK, H) for a K-dimensional loss (logits (N, C, d1, ..., dK), class
+    dim 1; needs a 2-D input); ``linear_bias`` None or (C, d1, ..., dK); ``target`` class indices of shape
+    (N,) / () / (N, d1, ..., dK) / input's leading dims, or class probabilities of the logits' shape (as torch,
+    the target holds probabilities exactly when its shape is the logits' shape). ``weight``: None or (C,)
+    class weights. ``ignore_index``: None means -100 for class indices; giving one with probabilities is an
+    error (as torch). Loss semantics (reductions, NaN "mean" when every row is ignored, weights, smoothing,
+    z_loss, out-of-range targets) are those of ``fl.cross_entropy``. Under autocast the matmuls run in the
+    autocast dtype (as F.linear) and the loss is fp32.
 
-    Rows are processed ``chunk_size`` at a time through one (chunk_size, V) logits buffer; by default the
-    chunk is sized from N, V and the free GPU memory (see
-    ``fusedlayers.ops.linear_cross_entropy.default_chunk_size``); pass ``chunk_size`` to override. For
-    "mean"/"sum" the gradients of input, weight and bias (those that require grad) are computed in the same
-    pass, grad_weight and grad_bias accumulated across chunks in fp32, and backward only scales them by the
-    upstream gradient. "none" computes the loss only and recomputes the logits in backward (each row's
-    upstream gradient must be applied before the rows are summed into grad_weight). Double backward is not
-    supported.
+    Rows are processed ``chunk_size`` at a time through one (chunk_size, C) logits buffer (2-D linear_weight;
+    a K-dimensional one, and class weights that require grad, take the slower exact path through
+    ``F.linear`` and ``fl.cross_entropy``). By default the chunk is sized from N, C and the free GPU memory
+    (``fusedlayers.ops.linear_cross_entropy.default_chunk_size``). For "mean"/"sum" the gradients of input,
+    linear_weight, linear_bias and probability targets (those that require grad) are computed in the same pass,
+    and backward only scales them by the upstream gradient -- in place where the buffer already has the
+    gradient's dtype, so a second backward through the same graph raises unless ``options`` has
+    ``allow_retain_graph=True``. "none" computes the loss only and recomputes the logits in backward.
+    grad_weight is accumulated across chunks in fp32 by default (fp64 for fp64); ``accumulation_dtype``
+    (ours) or ``options.acc_dtype`` (torch's ``LinearCrossEntropyOptions``, honoured where it exists, with
+    its ``batch_chunk_size`` / ``chunking_method`` -- "auto" leaves the chunk to us -- and
+    ``allow_retain_graph``) set it: the weight's own dtype (e.g. bf16) saves the fp32 accumulator and the
+    final cast (the accumulator is the gradient), at the cost of a rounding per chunk. Under autocast with
+    fp32 (master) weights the default fp32 accumulator is the weight's gradient itself, with no extra copy.
+    Double backward is not supported.
     """
     v.check_float_tensor("input", input)
-    v.check_float_tensor("weight", weight)
-    v.check_index_tensor("target", target)
-    ignore_index, reduction, label_smoothing, z_loss = _check_loss_args(ignore_index, reduction, label_smoothing,
-                                                                        z_loss)
-    if chunk_size is not None and (v.check_int("chunk_size", chunk_size) < 1):
-        raise ValueError(f"chunk_size must be >= 1 (or None for automatic), got {chunk_size}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
-    n_classes, hidden = weight.shape
+    v.check_float_tensor("linear_weight", linear_weight)
+    v.check_tensor("target", target)
+    if ignore_index is not None:
+        v.check_int("ignore_index", ignore_index)
+    _, reduction, label_smoothing, z_loss = _check_loss_args(-100, reduction, label_smoothing, z_loss)
+    if linear_weight.dim() < 2:
+        raise ValueError(f"linear_weight must be (C, in_features) or (C, d1, ..., in_features), got shape "
+                         f"{tuple(linear_weight.shape)}")
+    n_classes, hidden = linear_weight.shape[0], linear_weight.shape[-1]
+    out_features = tuple(linear_weight.shape[1:-1])
     if n_classes == 0:
-        raise ValueError("weight must have at least one row (class), got shape (0, H)")
+        raise ValueError("linear_weight must have at least one row (class), got shape (0, ...)")
     if input.dim() == 0 or input.shape[-1] != hidden:
-        raise ValueError(f"input of shape {tuple(input.shape)} must end with weight's H = {hidden}")
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(f"target of shape {tuple(target.shape)} must equal input's leading dims "
-                         f"{tuple(input.shape[:-1])}")
-    if bias is not None:
-        v.check_float_tensor("bias", bias)
-        if tuple(bias.shape) != (n_classes,):
-            raise ValueError(f"bias must have shape ({n_classes},) (weight's V), got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        raise ValueError(f"input of shape {tuple(input.shape)} must end with linear_weight's in_features = {hidden}")
+    if out_features and input.dim() != 2:
+        raise ValueError(f"a K-dimensional loss (linear_weight of shape {tuple(linear_weight.shape)}) needs a "
+                         f"batched 2-D input (N, {hidden}), got input of shape {tuple(input.shape)}")
+    lead = tuple(input.shape[:-1])
+    logits_shape = (*lead, n_classes, *out_features)
+    soft = tuple(target.shape) == logits_shape
+    if soft:
+        if not target.is_floating_point():
+            raise TypeError(f"target has the logits' shape {logits_shape}, so it holds class probabilities and must "
+                            f"be floating, got {target.dtype}")
+        v.check_float_tensor("target", target)
+        if ignore_index is not None:
+            raise ValueError("ignore_index cannot be specified when target contains probabilities (as in torch)")
+    else:
+        if tuple(target.shape) != (*lead, *out_features):
+            raise ValueError(f"target of shape {tuple(target.shape)} must be {(*lead, *out_features)} (class "
+                             f"indices) or {logits_shape} (class probabilities) for input {tuple(input.shape)} and "
+                             f"linear_weight {tuple(linear_weight.shape)}")
+        v.check_index_tensor("target", target)
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if linear_bias is not None:
+        v.check_float_tensor("linear_bias", linear_bias)
+        if tuple(linear_bias.shape) != (n_classes, *out_features):
+            raise ValueError(f"linear_bias must have shape {(n_classes, *out_features)}, got "
+                             f"{tuple(linear_bias.shape)}")
+    weight = _check_class_weight(weight, n_classes, input.device)
+    for name, t in (("linear_weight", linear_weight), ("target", target), ("linear_bias", linear_bias)):
         if t is not None and t.device != input.device:
             raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
-    out_dtype = input.dtype
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):  # F.linear runs in the autocast dtype, cross-entropy in fp32
-        low = torch.get_autocast_dtype(device_type)
-        input, weight = (t.to(low) if t.dtype != torch.float64 else t for t in (input, weight))
-        bias = bias.to(low) if bias is not None and bias.dtype != torch.float64 else bias
-        out_dtype = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != input.dtype:
-            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
-    if target.dtype not in (torch.int64, torch.int32):
-        target = target.long()
+    tensors = [t for t in (input, linear_weight, linear_bias) if t is not None]
+    autocast = torch.is_autocast_enabled(device_type) and all(t.dtype != torch.float64 for t in tensors)
+    if autocast:  # F.linear runs in the autocast dtype, cross-entropy in fp32
+        compute_dtype = torch.get_autocast_dtype(device_type)
+        ce_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
+    else:
+        compute_dtype = ce_dtype = input.dtype
+        for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+            if t is not None and t.dtype != input.dtype:
+                raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+    chunk, acc, retain = _linear_ce_options(options, chunk_size, accumulation_dtype, _prod(lead), hidden,
+                                            n_classes, compute_dtype)
     grad = torch.is_grad_enabled()
+    out_dtype = ce_dtype if not soft else _probabilities_dtype(ce_dtype, target, weight)
+    if (out_features or (weight is not None and weight.requires_grad and grad)
+            or (soft and out_dtype != ce_dtype)):  # the exact path, with the logits
+        flat = input.dim() > 2
+        logits = torch.nn.functional.linear(input.reshape(-1, hidden) if flat else input,
+                                            linear_weight.reshape(-1, hidden),
+                                            linear_bias.reshape(-1) if linear_bias is not None else None)
+        logits = logits.reshape(-1, n_classes) if flat else logits.reshape(logits_shape)
+        rows_target = target.reshape(-1, n_classes) if flat and soft else target.reshape(-1) if flat else target
+        loss = cross_entropy(logits, rows_target, weight, ignore_index=ignore_index, reduction=reduction,
+                             label_smoothing=label_smoothing, z_loss=z_loss)
+        return loss.reshape(lead) if flat and reduction == "none" else loss
+    if not soft and target.dtype not in (torch.int64, torch.int32):
+        target = target.long()
     loss, *_ = call(
         _linear_cross_entropy_ops.linear_cross_entropy,
-        input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, reduction, label_smoothing,
-        z_loss, chunk_size or 0, out_dtype, grad and input.requires_grad, grad and weight.requires_grad,
-        grad and bias is not None and bias.requires_grad,
+        input.reshape(-1, hidden), linear_weight, target.reshape(-1, n_classes) if soft else target.reshape(-1),
+        linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss, chunk, compute_dtype, acc, out_dtype,
+        retain, grad and input.requires_grad, grad and linear_weight.requires_grad,
+        grad and linear_bias is not None and linear_bias.requires_grad, grad and soft and target.requires_grad,
     )
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return loss.reshape(lead) if reduction == "none" else loss
 
 
 def checkpoint(function, *args, preserve_rng_state: bool = True, policy="full", **kwargs):
@@ -482,3 +695,107 @@ def fake_quantize_dynamic(input: Tensor, quant_min: int = -128, quant_max: int =
     y, scale, zero_point, _ = call(_fake_quantize_ops.fake_quantize_dynamic, input, quant_min, quant_max,
                                    group_size, symmetric)
     return (y, scale, zero_point) if return_qparams else y
+
+
+# ----------------------------------------------------------------------------- normalization (RMSNorm, LayerNorm)
+
+
+def _check_norm_args(input: Tensor, normalized_shape, weight, bias, residual) -> list[int]:
+    """normalized_shape as a list of ints, after checking every argument of rms_norm / layer_norm."""
+    v.check_float_tensor("input", input)
+
+    def is_size(s) -> bool:  # an int, or a symbolic one under torch.compile(dynamic=True)
+        return isinstance(s, (int, torch.SymInt)) and not isinstance(s, bool)
+
+    if is_size(normalized_shape):
+        shape = [normalized_shape]
+    elif isinstance(normalized_shape, (list, tuple)) and all(is_size(s) for s in normalized_shape):
+        shape = list(normalized_shape)
+    else:
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if not shape:
+        raise ValueError("normalized_shape must have at least one dim")
+    if input.dim() < len(shape) or list(input.shape[input.dim() - len(shape):]) != shape:
+        raise ValueError(f"normalized_shape={tuple(shape)} must equal the last {len(shape)} dim(s) of input, got "
+                         f"input of shape {tuple(input.shape)}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None:
+            v.check_float_tensor(name, param)
+            if list(param.shape) != shape:
+                raise ValueError(f"{name} of shape {tuple(param.shape)} must have shape normalized_shape="
+                                 f"{tuple(shape)}")
+            if param.device != input.device:
+                raise ValueError(f"{name} is on {param.device} but the input is on {input.device}")
+    if residual is not None:
+        v.check_float_tensor("residual", residual)
+        if residual.shape != input.shape:
+            raise ValueError(f"residual of shape {tuple(residual.shape)} must have the input's shape "
+                             f"{tuple(input.shape)}")
+        if residual.device != input.device:
+            raise ValueError(f"residual is on {residual.device} but the input is on {input.device}")
+    return shape
+
+
+def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None, *,
+             residual: Tensor | None = None):
+    """RMSNorm over the last ``len(normalized_shape)`` dims, equal to ``F.rms_norm(input, normalized_shape, weight,
+    eps)``: ``input * rsqrt(mean(input**2) + eps) * weight``, computed in fp32 (fp64 for fp64), output in the input's
+    dtype (whatever the weight's dtype, as torch). ``eps=None`` is torch's default: the machine epsilon of the compute
+    dtype, ``torch.finfo(torch.float32).eps`` for fp16/bf16/fp32 input (fp64's for fp64).
+
+    ``residual`` (keyword-only; a tensor of the input's shape): the pre-norm block's residual add fused in, returning
+    ``(F.rms_norm(h, ...), h)`` with ``h = input + residual`` (torch's dtype promotion); gradients reach input and
+    residual. Any shape and strides, empty input; the backward saves the normalized tensor, the weight and the fp32
+    rstd per row, and computes only the gradients asked for. Under CUDA autocast the output is fp32 on torch >= 2.12
+    (rms_norm is on its fp32 list), the input's dtype on older torch, as torch's. Complex input (which torch computes
+    as a composite of complex ops) is handed to torch's own ``F.rms_norm``.
+    """
+    if isinstance(input, Tensor) and input.is_complex():  # torch runs a composite of complex ops: no kernel of ours
+        h = input if residual is None else input + residual
+        y = torch.nn.functional.rms_norm(h, normalized_shape, weight, eps)
+        return (y, h) if residual is not None else y
+    shape = _check_norm_args(input, normalized_shape, weight, None, residual)
+    if eps is None:
+        h_dtype = input.dtype if residual is None else torch.promote_types(input.dtype, residual.dtype)
+        eps = torch.finfo(torch.float64 if h_dtype == torch.float64 else torch.float32).eps
+    else:
+        eps = v.check_number("eps", eps)
+    y, h, _ = call(_rms_norm_ops.rms_norm, input, shape, weight, eps, residual, None)
+    return (y, h) if residual is not None else y
+
+
+def _check_layer_norm_dtypes(dtype: torch.dtype, is_cuda: bool, weight, bias) -> None:
+    """torch's layer_norm takes parameters of the (normalized) input's ``dtype``, or fp32 ones (all of them) for
+    fp16/bf16 input; under CUDA autocast, which casts them all to fp32, any."""
+    params = [(name, p) for name, p in (("weight", weight), ("bias", bias)) if p is not None]
+    if not params or (is_cuda and torch.is_autocast_enabled("cuda")):
+        return
+    mixed = dtype in (torch.float16, torch.bfloat16) and any(p.dtype == torch.float32 for _, p in params)
+    for name, p in params:
+        if mixed and p.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 like the other parameters (mixed {dtype} input and "
+                            f"float32 parameters), got {p.dtype}")
+        if not mixed and p.dtype != dtype:
+            raise TypeError(f"{name} must have the input's dtype {dtype} (or float32 for float16/bfloat16 "
+                            f"input), got {p.dtype}")
+
+
+def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, *, residual: Tensor | None = None):
+    """LayerNorm over the last ``len(normalized_shape)`` dims, equal to ``F.layer_norm(input, normalized_shape,
+    weight, bias, eps)``: ``(input - mean) * rsqrt(var + eps) * weight + bias`` with the biased variance, computed in
+    fp32 (fp64 for fp64), output in the input's dtype. ``weight``/``bias``: the input's dtype, or float32 for
+    fp16/bf16 input (as torch on CPU).
+
+    ``residual`` (keyword-only; a tensor of the input's shape): the pre-norm block's residual add fused in, returning
+    ``(F.layer_norm(h, ...), h)`` with ``h = input + residual`` (torch's dtype promotion); gradients reach input and
+    residual. Any shape and strides, empty input; the backward saves the normalized tensor, the weight and the fp32
+    mean and rstd per row, and computes only the gradients asked for. Under CUDA autocast the output is fp32, as
+    torch's (the 16-bit input is read as it is, not copied to fp32).
+    """
+    shape = _check_norm_args(input, normalized_shape, weight, bias, residual)
+    eps = v.check_number("eps", eps)
+    h_dtype = input.dtype if residual is None else torch.promote_types(input.dtype, residual.dtype)
+    _check_layer_norm_dtypes(h_dtype, input.is_cuda, weight, bias)
+    y, h, _ = call(_layer_norm_ops.layer_norm, input, shape, weight, bias, eps, residual, None)
+    return (y, h) if residual is not None else y

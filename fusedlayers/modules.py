@@ -12,7 +12,8 @@ from fusedlayers import functional as F
 from fusedlayers.ops import fake_quantize as fq_ops
 from fusedlayers.ops._eager import call
 
-__all__ = ["Softmax", "CheckpointedBlock", "CrossEntropyLoss", "LinearCrossEntropyLoss", "FakeQuantLinear"]
+__all__ = ["Softmax", "CheckpointedBlock", "CrossEntropyLoss", "LinearCrossEntropyLoss", "FakeQuantLinear",
+           "RMSNorm", "LayerNorm"]
 
 
 class Softmax(nn.Module):
@@ -105,30 +106,36 @@ class CheckpointedBlock(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """Drop-in for ``nn.CrossEntropyLoss`` (class-index targets), running ``fl.cross_entropy``.
+    """Drop-in for ``nn.CrossEntropyLoss``, running ``fl.cross_entropy``.
 
-    Same arguments plus ``z_loss``. Per-class ``weight`` is not supported (must be None); the legacy
-    ``size_average``/``reduce`` are honoured as in torch. Like torch, ``weight`` is a (None) buffer, so the
-    state dict matches ``nn.CrossEntropyLoss``'s.
+    Same arguments (class ``weight``, the legacy ``size_average``/``reduce`` mapped as torch maps them,
+    ``ignore_index``, ``reduction``, ``label_smoothing``) plus keyword-only ``z_loss``; class-index and
+    class-probability targets. Like torch, ``weight`` is a buffer (None when not given), so the state dict
+    matches ``nn.CrossEntropyLoss``'s.
     """
 
     def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100, reduce=None,
-                 reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0) -> None:
+                 reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0) -> None:
         super().__init__()
         if weight is not None:
-            raise ValueError("weight: per-class weights are not supported by fl.CrossEntropyLoss (pass None)")
+            from fusedlayers import _validate as v
+
+            v.check_float_tensor("weight", weight)
+            if weight.dim() != 1:
+                raise ValueError(f"weight must be 1-D (one weight per class), got shape {tuple(weight.shape)}")
         if size_average is not None or reduce is not None:
             from torch.nn import _reduction
 
             reduction = _reduction.legacy_get_string(size_average, reduce)
-        self.register_buffer("weight", None)
+        self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing, self.z_loss)
+        return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                               reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -136,29 +143,62 @@ class CrossEntropyLoss(nn.Module):
 
 
 class LinearCrossEntropyLoss(nn.Module):
-    """``fl.linear_cross_entropy`` as a loss module: ``forward(input, weight, target, bias=None)``.
+    """Drop-in for torch >= 2.13's ``nn.LinearCrossEntropyLoss`` (available on older torch too), running
+    ``fl.linear_cross_entropy``: a linear layer and the cross-entropy of its logits, without the logits.
 
-    Equals ``nn.CrossEntropyLoss(...)(F.linear(input, weight, bias), target)`` without materialising the
-    logits; it holds no parameters (pass the output layer's ``weight``/``bias``, e.g. ``lm_head.weight``).
-    ``chunk_size``: rows per chunk (None: chosen from N, V and the free memory).
+    Same constructor (``in_features, num_classes, *, out_features=(), bias=False, device=None, dtype=None,
+    reduction="mean", weight=None, ignore_index=None, label_smoothing=0.0, options=None``) plus our keyword-only
+    ``z_loss``, ``chunk_size`` and ``accumulation_dtype``; same parameters and buffers (``linear.weight`` of
+    shape (num_classes * prod(out_features), in_features), ``linear.bias``, the class ``weight`` buffer), so
+    state dicts load both ways; same ``forward(input, target)``. For a weight you hold elsewhere (a tied
+    embedding), call ``fl.linear_cross_entropy`` directly.
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, chunk_size: int | None = None) -> None:
+    def __init__(self, in_features: int, num_classes: int, *, out_features: tuple[int, ...] = (), bias: bool = False,
+                 device=None, dtype=None, reduction: str = "mean", weight: Tensor | None = None,
+                 ignore_index: int | None = None, label_smoothing: float = 0.0, options=None, z_loss: float = 0.0,
+                 chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.ignore_index = ignore_index
+        from fusedlayers import _validate as v
+
+        out_features = tuple(out_features)
+        if weight is not None:
+            v.check_float_tensor("weight", weight)
+            if tuple(weight.shape) != (num_classes,):
+                raise ValueError(f"weight must have shape ({num_classes},) (num_classes), got {tuple(weight.shape)}")
+        v.check_fraction("label_smoothing", label_smoothing)
+        v.check_reduction(reduction)
+        if options is not None and not isinstance(options, getattr(torch.nn, "LinearCrossEntropyOptions", ())):
+            raise TypeError("options must be a torch.nn.LinearCrossEntropyOptions (torch >= 2.13) or None, got "
+                            f"{type(options).__name__}")
+        self.register_buffer("weight", weight)
+        self.num_classes = num_classes
+        self.out_features = out_features
         self.reduction = reduction
+        self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
+        self.linear = nn.Linear(in_features, math.prod(out_features, start=num_classes), bias=bias, device=device,
+                                dtype=dtype)
+        self.options = options
         self.z_loss = z_loss
         self.chunk_size = chunk_size
+        self.accumulation_dtype = accumulation_dtype
 
-    def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear_cross_entropy(input, weight, target, bias, self.ignore_index, self.reduction,
-                                      self.label_smoothing, self.z_loss, chunk_size=self.chunk_size)
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        linear_weight = self.linear.weight.reshape(self.num_classes, *self.out_features, self.linear.in_features)
+        linear_bias = (self.linear.bias.reshape(self.num_classes, *self.out_features)
+                       if self.linear.bias is not None else None)
+        return F.linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
+            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, options=self.options,
+            z_loss=self.z_loss, chunk_size=self.chunk_size, accumulation_dtype=self.accumulation_dtype)
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, chunk_size={self.chunk_size}")
+        return (f"in_features={self.linear.in_features}, num_classes={self.num_classes}, "
+                f"out_features={self.out_features}, bias={self.linear.bias is not None}, "
+                f"reduction={self.reduction}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, options={self.options}, z_loss={self.z_loss}, "
+                f"chunk_size={self.chunk_size}, accumulation_dtype={self.accumulation_dtype}")
 
 
 # ----------------------------------------------------------------------------- fake quantization (QAT)
@@ -172,22 +212,37 @@ def quant_range(bits: int) -> tuple[int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
+def resolve_granularity(granularity: str | None, group_size) -> str | None:
+    """The weight granularity meant by ``granularity`` and ``group_size``: as given; when None (the default),
+    "per_group" if a ``group_size`` is given, else "per_channel" (as torchao's ``group_size`` / ``groupsize``
+    means per-group quantization). An explicit granularity that contradicts the group size stays as given, for
+    ``check_quant_config`` to refuse."""
+    if granularity is None:
+        return "per_channel" if group_size is None else "per_group"
+    return granularity
+
+
 def check_quant_config(in_features: int, weight_bits, weight_granularity, group_size, act_bits,
-                       where: str = "") -> None:
-    """Raise a clear ValueError / TypeError for a bad fake-quantization config (``where`` names the layer)."""
+                       where: str = "", granularity_arg: str = "weight_granularity") -> None:
+    """Raise a clear ValueError / TypeError for a bad fake-quantization config (``where`` names the layer,
+    ``granularity_arg`` the caller's name for the granularity argument). ``weight_granularity`` None: see
+    ``resolve_granularity``."""
     at = f" (layer {where!r})" if where else ""
     from fusedlayers import _validate as v
 
     v.check_bits("weight_bits", weight_bits)
     v.check_bits("act_bits", act_bits)
+    weight_granularity = resolve_granularity(weight_granularity, group_size)
     if weight_granularity not in WEIGHT_GRANULARITIES:
-        raise ValueError(f"weight_granularity must be one of {WEIGHT_GRANULARITIES}, got {weight_granularity!r}")
+        raise ValueError(f"{granularity_arg} must be one of {WEIGHT_GRANULARITIES} or None, got {weight_granularity!r}")
     if weight_granularity == "per_group":
         if group_size is None:
-            raise ValueError("weight_granularity='per_group' needs a group_size")
+            raise ValueError(f"{granularity_arg}='per_group' needs a group_size")
         v.check_group_size("group_size", group_size, in_features, what=f"in_features{at}")
     elif group_size is not None:
-        raise ValueError(f"group_size is only used with weight_granularity='per_group', got {weight_granularity!r}")
+        raise ValueError(f"group_size={group_size!r} contradicts {granularity_arg}={weight_granularity!r}: a group "
+                         f"size means per-group quantization; pass {granularity_arg}='per_group' (or leave it None), "
+                         f"or drop group_size")
 
 
 def absmax_scale(weight: Tensor, bits: int, granularity: str, group_size: int | None) -> Tensor:
@@ -219,7 +274,10 @@ class FakeQuantLinear(nn.Linear):
 
     - Weights: symmetric signed ``weight_bits``-bit (zero point 0), ``weight_granularity`` "per_tensor",
       "per_channel" (one scale per output feature) or "per_group" (one scale per ``group_size`` consecutive
-      input features of each output feature, e.g. int4 with group_size 32 as torchao's 8da4w recipe).
+      input features of each output feature, e.g. int4 with group_size 32 as torchao's 8da4w recipe). Left
+      None (the default) it is "per_group" when a ``group_size`` is given, else "per_channel" (torchao's
+      rule: a group size means per-group); an explicit granularity other than "per_group" with a group_size
+      is refused (ValueError). The attribute ``weight_granularity`` holds the resolved name.
       With ``learnable_scale=False`` the scales are recomputed from the current weight at every forward
       (``max|w| / ((qmax - qmin) / 2)``, torchao's choice), in the fake-quant kernel itself for per channel
       and per group; gradients reach the weight through the straight-through estimator with the clipping
@@ -237,9 +295,10 @@ class FakeQuantLinear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_bits: int | None = 8,
-                 weight_granularity: str = "per_channel", group_size: int | None = None, act_bits: int | None = None,
+                 weight_granularity: str | None = None, group_size: int | None = None, act_bits: int | None = None,
                  learnable_scale: bool = False, scale_init: str = "absmax", device=None, dtype=None) -> None:
         check_quant_config(in_features, weight_bits, weight_granularity, group_size, act_bits)
+        weight_granularity = resolve_granularity(weight_granularity, group_size)
         if not isinstance(learnable_scale, bool):
             raise TypeError(f"learnable_scale must be a bool, got {type(learnable_scale).__name__}")
         if scale_init not in SCALE_INITS:
@@ -342,3 +401,23 @@ class FakeQuantLinear(nn.Linear):
         return (f"{super().extra_repr()}, weight_bits={self.weight_bits}, "
                 f"weight_granularity={self.weight_granularity!r}{group}, act_bits={self.act_bits}, "
                 f"learnable_scale={self.learnable_scale}, fake_quant_enabled={self.fake_quant_enabled}")
+
+
+class RMSNorm(nn.RMSNorm):
+    """Drop-in for ``nn.RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None)`` (a
+    subclass: same arguments, parameter ``weight``, init and state_dict), running ``fl.rms_norm``.
+    ``forward(input, residual=None)``: with a residual, returns ``(norm(input + residual), input + residual)`` from
+    one kernel (the pre-norm block's residual stream)."""
+
+    def forward(self, input: Tensor, residual: Tensor | None = None):
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in for ``nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
+    dtype=None)`` (a subclass: same arguments, parameters ``weight`` and ``bias``, init and state_dict), running
+    ``fl.layer_norm``. ``forward(input, residual=None)``: with a residual, returns ``(norm(input + residual),
+    input + residual)`` from one kernel (the pre-norm block's residual stream)."""
+
+    def forward(self, input: Tensor, residual: Tensor | None = None):
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)

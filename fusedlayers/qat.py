@@ -4,8 +4,7 @@ int4) weights and fp32 scales.
 
 Typical use (torchao's 8da4w recipe: int8 per-token activations, int4 per-group weights)::
 
-    model = fl.qat.prepare(model, weight_bits=4, act_bits=8, granularity="per_group", group_size=32,
-                           skip=["lm_head"])
+    model = fl.qat.prepare(model, weight_bits=4, act_bits=8, group_size=32, skip=["lm_head"])  # per group of 32
     ...  # fine-tune as usual (the fake quantization is in the forward)
     model = fl.qat.convert(model)  # int weights; outputs equal the fake-quantized model's
 
@@ -15,6 +14,7 @@ Post-training quantization (PTQ) is ``prepare`` without fine-tuning (the weight 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,6 +26,7 @@ from fusedlayers.modules import (
     absmax_scale,
     check_quant_config,
     quant_range,
+    resolve_granularity,
     scale_shape,
 )
 from fusedlayers.ops.fake_quantize import ROUND_AFTER, round_reference
@@ -55,15 +56,18 @@ def _children(model: nn.Module):
 
 
 def prepare(model: nn.Module, weight_bits: int | None = 8, act_bits: int | None = None,
-            granularity: str = "per_channel", group_size: int | None = None, skip: SkipSpec = (),
+            granularity: str | None = None, group_size: int | None = None, skip: SkipSpec = (),
             learnable_scale: bool = False, scale_init: str = "absmax") -> nn.Module:
     """Swap every ``nn.Linear`` of ``model`` (exactly that type; subclasses such as attention's
     NonDynamicallyQuantizableLinear are left alone) for a ``FakeQuantLinear`` holding the same weight and
     bias parameters, in place. Returns ``model`` (or the new module when ``model`` itself is an nn.Linear).
 
     ``weight_bits`` (2..8 or None), ``act_bits`` (2..8 or None: activations not quantized), ``granularity``
-    ("per_tensor" | "per_channel" | "per_group") and ``group_size`` (per_group only; must divide each
-    swapped layer's in_features), ``learnable_scale`` / ``scale_init``: see ``FakeQuantLinear``.
+    ("per_tensor" | "per_channel" | "per_group" | None) and ``group_size`` (must divide each swapped layer's
+    in_features), ``learnable_scale`` / ``scale_init``: see ``FakeQuantLinear``. A ``group_size`` means
+    per-group quantization: ``granularity`` None (the default) is "per_group" with a group_size and
+    "per_channel" without one (torchao's ``group_size`` works so), e.g. ``prepare(model, weight_bits=4,
+    group_size=32)``; an explicit "per_channel" / "per_tensor" with a group_size is a ValueError.
     ``skip``: qualified module names to leave alone (a name also covers its submodules; shell-style
     patterns such as ``"*.lm_head"`` allowed), or a callable ``skip(name, module) -> bool``.
     Every layer's config is checked before any is swapped: a bad config raises a ValueError / TypeError
@@ -73,17 +77,18 @@ def prepare(model: nn.Module, weight_bits: int | None = 8, act_bits: int | None 
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if skip is not None and not callable(skip) and (isinstance(skip, str) or not isinstance(skip, Iterable)):
         raise TypeError("skip must be an iterable of module names / patterns or a callable(name, module)")
-    config = dict(weight_bits=weight_bits, weight_granularity=granularity, group_size=group_size,
-                  act_bits=act_bits, learnable_scale=learnable_scale, scale_init=scale_init)
+    check = functools.partial(check_quant_config, weight_bits=weight_bits, weight_granularity=granularity,
+                              group_size=group_size, act_bits=act_bits, granularity_arg="granularity")
+    config = dict(weight_bits=weight_bits, weight_granularity=resolve_granularity(granularity, group_size),
+                  group_size=group_size, act_bits=act_bits, learnable_scale=learnable_scale, scale_init=scale_init)
     if type(model) is nn.Linear:
-        check_quant_config(model.in_features, weight_bits, granularity, group_size, act_bits)
+        check(model.in_features)
         return FakeQuantLinear.from_linear(model, **config)
     targets = [(parent, attr, name, child) for parent, attr, name, child in _children(model)
                if type(child) is nn.Linear and not _skipped(name, child, skip)]
-    # the config itself, even if no layer is swapped (a group divides itself)
-    check_quant_config(group_size or 0, weight_bits, granularity, group_size, act_bits)
+    check(group_size or 0)  # the config itself, even if no layer is swapped (a group divides itself)
     for _, _, name, child in targets:
-        check_quant_config(child.in_features, weight_bits, granularity, group_size, act_bits, where=name)
+        check(child.in_features, where=name)
     for parent, attr, _, child in targets:
         setattr(parent, attr, FakeQuantLinear.from_linear(child, **config))
     return model
@@ -152,12 +157,13 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_bits: int = 8,
-                 weight_granularity: str = "per_channel", group_size: int | None = None,
+                 weight_granularity: str | None = None, group_size: int | None = None,
                  act_bits: int | None = None, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         if weight_bits is None:
             raise ValueError("QuantizedLinear needs weight_bits (2..8)")
         check_quant_config(in_features, weight_bits, weight_granularity, group_size, act_bits)
+        weight_granularity = resolve_granularity(weight_granularity, group_size)  # as FakeQuantLinear's
         self.in_features, self.out_features = in_features, out_features
         self.weight_bits, self.weight_granularity, self.group_size = weight_bits, weight_granularity, group_size
         self.act_bits = act_bits

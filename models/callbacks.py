@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import resource
 import sys
 import time
@@ -147,5 +148,7 @@ class InterruptCheckpoint(L.Callback):
         return f"{self.dirpath}/{self.filename}.ckpt"
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, pickle.UnpicklingError):  # the checkpoint to resume from was refused: nothing ran
+            return
         if trainer.state.fn == "fit" and not trainer.fast_dev_run:
-            trainer.save_checkpoint(self.ckpt_path)
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)  # the full state (optimizer, loops, ...)

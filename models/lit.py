@@ -1,9 +1,21 @@
-"""LightningModule: the GPT, AdamW with weight-decay groups, warmup + cosine schedule, token-weighted loss
-metrics, perplexity, and a text sample generated at the end of each validation."""
+"""LightningModule: the GPT (or a Hugging Face model, ``models.hf``, when the model config has ``arch``), AdamW
+with weight-decay groups, warmup + cosine schedule, token-weighted loss metrics, perplexity, and a text sample
+generated at the end of each validation.
+
+Checkpoints load safely: with ``torch.load(weights_only=True)`` (``load_checkpoint``, ``GPTLitModule.
+load_from_checkpoint``, and resuming through ``models.training``), which unpickles tensors and plain Python
+values only. What our checkpoints hold is exactly that (Lightning's state, the model and optimizer state, the
+hyper-parameters as plain containers, the tokenizer as its JSON string, RNG states as ByteTensors, the data
+position as an int), so ``SAFE_GLOBALS`` is empty. A file holding anything else is refused before anything of
+it is unpickled, with an ``UnsafeCheckpointError`` naming the offending globals and what to do.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import pickle
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +36,64 @@ OPTIM_DEFAULTS = dict(
     fused=None,
 )
 SAMPLE_DEFAULTS = dict(prompt="\n", tokens=200, temperature=0.8, top_k=None, seed=0)
+
+# Classes / functions our checkpoints may legitimately hold beyond torch's weights_only allowlist (tensors,
+# OrderedDict, plain Python types): none (see the module docstring). Register one here only if it is data.
+SAFE_GLOBALS: list = []
+if SAFE_GLOBALS:
+    torch.serialization.add_safe_globals(SAFE_GLOBALS)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holding objects other than tensors and plain Python values, refused by ``weights_only`` loading."""
+
+
+def _refusal(path, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"refused to load checkpoint {path}: its pickle refers to {what} (not tensors or plain Python values). "
+        "Checkpoints load with torch.load(weights_only=True), which does not unpickle arbitrary objects "
+        "(unpickling can run code). If you trust this file and those objects are data, register their classes "
+        "before loading with torch.serialization.add_safe_globals([...]) (or add them to models.lit.SAFE_GLOBALS); "
+        "otherwise, only if you trust it, load it once with torch.load(path, weights_only=False) and save it again "
+        "holding tensors and plain Python values only."
+    )
+
+
+def check_checkpoint_is_safe(path) -> None:
+    """Raise ``UnsafeCheckpointError`` naming them if the checkpoint file ``path`` holds globals that ``weights_only``
+    loading refuses. Reads the pickle only, not the tensors. Paths that are not local files (Lightning's "last",
+    remote URLs, distributed-checkpoint folders) and torch without the scan are left to the load itself."""
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if scan is None or not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return
+    try:
+        unsafe = scan(path)
+    except (ValueError, RuntimeError):  # not a torch.save zip file: the load says what is wrong with it
+        return
+    if unsafe:
+        raise _refusal(path, ", ".join(sorted(unsafe)))
+
+
+def load_checkpoint(path, map_location="cpu") -> dict:
+    """One of our checkpoints as a dict, loaded with ``torch.load(weights_only=True)``; a file holding arbitrary
+    objects raises ``UnsafeCheckpointError``."""
+    check_checkpoint_is_safe(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except UnsafeCheckpointError:
+        raise
+    except pickle.UnpicklingError as e:
+        raise _refusal(path, "objects that the weights-only unpickler refuses") from e
+
+
+def weights_only_kwargs(load_fn) -> dict:
+    """``{"weights_only": True}`` if Lightning's ``load_fn`` (``Trainer.fit``, ``load_from_checkpoint``) takes it
+    (Lightning >= 2.6), else ``{}``: older Lightning calls torch.load without it, which is weights_only from
+    torch 2.6 on."""
+    try:
+        return {"weights_only": True} if "weights_only" in inspect.signature(load_fn).parameters else {}
+    except (TypeError, ValueError):
+        return {}
 
 
 def lr_lambda(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -52,7 +122,12 @@ class GPTLitModule(L.LightningModule):
             raise ValueError(f"unknown optim keys {sorted(unknown)}; valid keys: {', '.join(OPTIM_DEFAULTS)}")
         self.optim = {**OPTIM_DEFAULTS, **(optim or {})}
         self.sample_cfg = {**SAMPLE_DEFAULTS, **(sample or {})}
-        self.model = GPT(GPTConfig.from_dict({**dict(model), "vocab_size": vocab_size}))
+        if "arch" in model:  # a Hugging Face transformers model (configs/model/hf.yaml): the GPT's interface
+            from models.hf import build
+
+            self.model = build(model, vocab_size)
+        else:
+            self.model = GPT(GPTConfig.from_dict({**dict(model), "vocab_size": vocab_size}))
         self.tokenizer = tokenizer_from_json(tokenizer) if tokenizer else None
         self.train_loss = MeanMetric()  # over the current logging window, weighted by tokens
         self.val_loss = MeanMetric()  # over the val set, weighted by tokens
@@ -61,6 +136,22 @@ class GPTLitModule(L.LightningModule):
         self.val_history: list[tuple[int, float]] = []
         self.last_sample: str | None = None
         self._rng_to_restore = None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
+        """Lightning's ``load_from_checkpoint``, loading with ``weights_only=True`` (pass ``weights_only=False`` to
+        load a trusted file that holds other objects); a file holding arbitrary objects raises
+        ``UnsafeCheckpointError``."""
+        load = super().load_from_checkpoint
+        if kwargs.get("weights_only", True):
+            check_checkpoint_is_safe(checkpoint_path)
+            kwargs = {**weights_only_kwargs(load), **kwargs}
+        try:
+            return load(checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs)
+        except UnsafeCheckpointError:
+            raise
+        except pickle.UnpicklingError as e:
+            raise _refusal(checkpoint_path, "objects that the weights-only unpickler refuses") from e
 
     # ------------------------------------------------------------------------------------------ steps
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

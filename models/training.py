@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import time
 import traceback
 from pathlib import Path
@@ -23,13 +24,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.callbacks import InterruptCheckpoint, ThroughputMFU
 from models.layers import REGISTRIES
-from models.lit import GPTLitModule
+from models.lit import GPTLitModule, UnsafeCheckpointError, _refusal, check_checkpoint_is_safe, weights_only_kwargs
 
 log = logging.getLogger("train")
 
 
 def validate_choices(cfg: DictConfig) -> None:
-    """Fail at startup, with the valid names, on an unknown layer choice."""
+    """Fail at startup, with the valid names, on an unknown layer choice (an HF model: also on invalid sizes)."""
+    if "arch" in cfg.model:  # a Hugging Face model (models/hf.py): its own choices
+        from models.hf import HFConfig
+
+        HFConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        return
     for key, registry in REGISTRIES.items():
         registry.check(cfg.model.get(key))
 
@@ -142,8 +148,16 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
     )
 
     interrupted = False
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path:
+        check_checkpoint_is_safe(ckpt_path)  # refused before training starts, naming what it holds
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+        # torch.load(weights_only=True): tensors and plain values only (see models.lit)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, **weights_only_kwargs(trainer.fit))
+    except UnsafeCheckpointError:
+        raise
+    except pickle.UnpicklingError as e:  # what the scan could not see (torch without it, a remote file)
+        raise _refusal(ckpt_path, "objects that the weights-only unpickler refuses") from e
     except SystemExit:  # Lightning turns Ctrl-C into sys.exit(1) after saving the on-exception checkpoint
         if trainer.state.status.value != "interrupted":
             raise
@@ -165,7 +179,7 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
             ckpt.last_model_path = str(
                 Path(ckpt.dirpath) / f"{ckpt.CHECKPOINT_NAME_LAST}{ckpt.FILE_EXTENSION}"
             )
-            trainer.save_checkpoint(ckpt.last_model_path)
+            trainer.save_checkpoint(ckpt.last_model_path, weights_only=False)  # the full state, as ModelCheckpoint
 
     on_exc = next((c for c in callbacks if isinstance(c, InterruptCheckpoint)), None)
     val_loss = module.val_history[-1][1] if module.val_history else float("nan")

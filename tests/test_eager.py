@@ -82,7 +82,7 @@ CASES = {
                   (torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16))),
     "cross_entropy": (lambda x, t: fl.cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-3),
                       (torch.randn(10, 33), torch.randint(0, 33, (10,)))),
-    "linear_cross_entropy": (lambda x, w, b, t: fl.linear_cross_entropy(x, w, t, b, reduction="sum"),
+    "linear_cross_entropy": (lambda x, w, b, t: fl.linear_cross_entropy(x, w, t, linear_bias=b, reduction="sum"),
                              (torch.randn(10, 16), torch.randn(37, 16), torch.randn(37), torch.randint(0, 37, (10,)))),
     "fake_quantize": (lambda x: fl.fake_quantize(x, torch.rand(6, device=x.device) + 0.05,
                                                  torch.randint(-3, 3, (6,), device=x.device), -8, 7, 0),
@@ -92,6 +92,14 @@ CASES = {
     "fake_quantize_dynamic": (lambda x: fl.fake_quantize_dynamic(x, group_size=4, return_qparams=True),
                               (torch.randn(5, 12),)),
 }
+CASES.update({  # the norms, plain and with the fused residual add (both outputs get gradients)
+    "rms_norm": (lambda x, w: fl.rms_norm(x, (5, 7), w), (torch.randn(3, 5, 7), torch.randn(5, 7))),
+    "rms_norm_residual": (lambda x, w, r: fl.rms_norm(x, 7, w, residual=r),
+                          (torch.randn(4, 7), torch.randn(7), torch.randn(4, 7))),
+    "layer_norm": (lambda x, w, b: fl.layer_norm(x, 33, w, b), (torch.randn(6, 33), torch.randn(33), torch.randn(33))),
+    "layer_norm_residual": (lambda x, w, b, r: fl.layer_norm(x, 33, w, b, residual=r),
+                            (torch.randn(6, 33), torch.randn(33), torch.randn(33), torch.randn(6, 33))),
+})
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -158,13 +158,32 @@ def test_learnable_scale_init_and_lsq_gradient():
     (dict(weight_granularity="per_row"), ValueError, "weight_granularity"),
     (dict(weight_granularity="per_group"), ValueError, "group_size"),
     (dict(weight_granularity="per_group", group_size=5), ValueError, "group_size=5 does not divide"),
-    (dict(group_size=8), ValueError, "group_size"),
+    (dict(weight_granularity="per_channel", group_size=8), ValueError, "group_size=8 contradicts weight_granularity"),
+    (dict(weight_granularity="per_tensor", group_size=8), ValueError, "group_size=8 contradicts weight_granularity"),
+    (dict(group_size=5), ValueError, "group_size=5 does not divide"),
     (dict(learnable_scale=1), TypeError, "learnable_scale"),
     (dict(learnable_scale=True, scale_init="mse"), ValueError, "scale_init"),
 ])
 def test_fake_quant_linear_config_errors(kwargs, error, words):
     with pytest.raises(error, match=words):
         fl.FakeQuantLinear(24, 10, **kwargs)
+
+
+def test_group_size_alone_means_per_group():
+    """A group_size without a granularity means per-group (torchao's rule), in FakeQuantLinear and QuantizedLinear:
+    the same layer as an explicit weight_granularity="per_group"; without either, per channel."""
+    explicit = _linear_pair(weight_bits=4, weight_granularity="per_group", group_size=8)[1]
+    implied = _linear_pair(weight_bits=4, group_size=8)[1]
+    assert implied.weight_granularity == "per_group" and implied.group_size == 8
+    x = torch.randn(5, 24)
+    assert torch.equal(implied(x), explicit(x))
+    assert fl.FakeQuantLinear(24, 10).weight_granularity == "per_channel"
+    learnable = fl.FakeQuantLinear(24, 10, weight_bits=4, group_size=8, learnable_scale=True)
+    assert learnable.weight_scale.shape == (10, 3)
+    assert QuantizedLinear(24, 10, weight_bits=4, group_size=8).weight_scale.shape == (10, 3)
+    assert QuantizedLinear(24, 10, weight_bits=4).weight_granularity == "per_channel"
+    with pytest.raises(ValueError, match="contradicts weight_granularity='per_channel'"):
+        QuantizedLinear(24, 10, weight_bits=4, weight_granularity="per_channel", group_size=8)
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -187,6 +206,28 @@ def test_prepare_swaps_in_place_and_keeps_parameters():
     assert torch.equal(model(x), fresh(x))
     fl.qat.enable_fake_quant(model)
     assert not torch.equal(model(x), fresh(x))
+
+
+def test_prepare_group_size_means_per_group():
+    """prepare(model, weight_bits=4, group_size=32) is per-group quantization of every swapped layer, the same model as
+    with granularity="per_group" spelled out (and it converts to the same int4 weights); without a group size the
+    default stays per channel."""
+    torch.manual_seed(0)
+    implied, explicit = Net(), Net()
+    explicit.load_state_dict(implied.state_dict())
+    fl.qat.prepare(implied, weight_bits=4, group_size=32)
+    fl.qat.prepare(explicit, weight_bits=4, granularity="per_group", group_size=32)
+    for name in ("up", "block.1", "head"):
+        layer = implied.get_submodule(name)
+        assert (layer.weight_granularity, layer.group_size) == ("per_group", 32), name
+    x = torch.randn(3, 64)
+    assert torch.equal(implied(x), explicit(x))
+    fl.qat.convert(implied)
+    fl.qat.convert(explicit)
+    pairs = zip(implied.state_dict().values(), explicit.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert fl.qat.prepare(Net(), weight_bits=4).up.weight_granularity == "per_channel"
+    assert fl.qat.prepare(nn.Linear(64, 8), weight_bits=4, group_size=16).weight_granularity == "per_group"
 
 
 @pytest.mark.parametrize("skip, kept", [
@@ -219,6 +260,9 @@ def test_prepare_leaves_linear_subclasses_and_handles_a_bare_linear():
     (dict(granularity="per_group", group_size=48), ValueError, "layer 'up'"),
     (dict(granularity="per_group", group_size=0), ValueError, "group_size"),
     (dict(granularity="channel"), ValueError, "granularity"),
+    (dict(granularity="per_channel", group_size=16), ValueError, "group_size=16 contradicts granularity='per_channel'"),
+    (dict(granularity="per_tensor", group_size=16), ValueError, "contradicts granularity='per_tensor'"),
+    (dict(weight_bits=4, group_size=48), ValueError, "layer 'up'"),
     (dict(skip="head"), TypeError, "skip"),
 ])
 def test_prepare_config_errors_leave_model_unchanged(kwargs, error, words):

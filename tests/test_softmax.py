@@ -6,6 +6,8 @@ on CPU, compiled on GPU for the `cuda`-marked tests).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -231,6 +233,163 @@ def test_softmax_non_contiguous(backend):
                 _check_softmax(x, dim)
 
 
+def _layouts() -> dict[str, torch.Tensor]:
+    """Inputs of every layout: contiguous, transposed, permuted, sliced, narrowed, expanded (stride 0), channels-last,
+    size-1 dims with odd strides, strided 1-d, 0-d."""
+    base = torch.randn(6, 10, 9) * 3
+    return {
+        "contiguous": base,
+        "transposed": base.transpose(0, 2),
+        "last two transposed": base.transpose(1, 2),
+        "permuted": base.permute(1, 2, 0),
+        "sliced": base[:, ::3],
+        "narrowed": base[..., 1:8],
+        "expanded": (torch.randn(1, 10, 9) * 3).expand(6, 10, 9),
+        "channels last": (torch.randn(2, 3, 4, 5) * 3).to(memory_format=torch.channels_last),
+        "size-1 dims": (torch.randn(4, 1, 7) * 3).transpose(0, 1)[:, :, None],
+        "strided 1-d": (torch.randn(20) * 3)[::3],
+        "0-d": torch.tensor(1.5),
+    }
+
+
+def _softmax_and_grads(fn, x: torch.Tensor, dim: int, grad: torch.Tensor):
+    """(output, torch.autograd.grad's input gradient, the leaf's .grad) of ``fn(x, dim)``."""
+    leaf = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    if x.stride() != leaf.stride():  # clone makes expanded / overlapping inputs dense: view the same layout instead
+        leaf = x.detach().requires_grad_()
+    y = fn(leaf, dim)
+    (g,) = torch.autograd.grad(y, leaf, grad, retain_graph=True)
+    y.backward(grad)
+    return y, g, leaf.grad
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_softmax_output_and_gradient_layouts_every_dim(backend, layout):
+    """For every dim: torch's values and torch's strides, for the output (always contiguous: torch's _softmax allocates
+    LEGACY_CONTIGUOUS_MEMORY_FORMAT, whatever the input's layout and dim), the gradient that autograd.grad returns
+    (contiguous too), and the leaf's .grad (where autograd lays it out like the input when that is dense), with an
+    upstream gradient of its own layout (transposed)."""
+    x = _layouts()[layout]
+    with fl.use_backend(backend):
+        for dim in range(-max(x.dim(), 1), max(x.dim(), 1)):
+            grad = torch.randn(tuple(reversed(x.shape))).permute(*reversed(range(x.dim()))) if x.dim() else \
+                torch.randn(())
+            fused = _softmax_and_grads(fl.softmax, x, dim, grad)
+            stock = _softmax_and_grads(torch.softmax, x, dim, grad)
+            for name, f, t in zip(("output", "autograd.grad", ".grad"), fused, stock, strict=True):
+                torch.testing.assert_close(f, t, atol=1e-6, rtol=1e-5,
+                                           msg=lambda m, n=name, d=dim: f"{n}, dim {d}: {m}")
+                assert f.stride() == t.stride(), (name, dim, f.stride(), t.stride())
+            assert fused[0].is_contiguous() and fused[1].is_contiguous()
+            fused[0].view(-1)  # a view of the flat output exists: no transposed result
+
+
+def test_softmax_other_dims_are_not_copied(monkeypatch):
+    """A dim other than the last is reduced in place by the strided kernels, forward and backward: what they read are
+    (outer, dim, inner) views of the input, the output and the gradient, never copies, for contiguous inputs (every
+    dim) and for any input whose dims after ``dim`` merge (here a transposed one, over its middle dim)."""
+    views = []
+    real = kernels._as_3d
+    monkeypatch.setattr(kernels, "_as_3d", lambda t, dim: views.append((real(t, dim), t)) or views[-1][0])
+    x = torch.randn(4, 30, 6)
+    with fl.use_backend("triton"):
+        for t, dim in ((x, 0), (x, 1), (x.transpose(0, 2), 1), (torch.randn(1, 30, 6).expand(4, 30, 6), 1)):
+            leaf = t.detach().requires_grad_()
+            fl.softmax(leaf, dim).backward(torch.randn(t.shape))
+    assert len(views) == 4 * 5  # the forward's input and output, the backward's gradient, output and result
+    for view, t in views:
+        assert view.data_ptr() == t.data_ptr() and view._base is not None, (t.shape, t.stride())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kernel", ["one_pass", "looped"])
+def test_softmax_strided_kernels(monkeypatch, kernel, dtype):
+    """The strided kernels (a dim other than the last) forced into each shape; looped over several column blocks
+    (small tiles), on odd sizes, contiguous and strided inputs, outputs of another dtype, special values."""
+    monkeypatch.setattr(kernels, "STRIDED_TILE", 64)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+    for shape in ((3, 37, 5), (2, 100, 33), (37, 3), (1, 5, 1, 7)):
+        base = (torch.randn(shape) * 4).to(dtype)
+        for x in (base, base.transpose(0, -1), base[..., ::2]):
+            for dim in range(x.dim() - 1):
+                for out_dtype in (dtype, torch.float32):
+                    y = kernels.softmax_forward(x, out_dtype, kernel=kernel, dim=dim)
+                    assert y.is_contiguous() and y.dtype == out_dtype
+                    torch.testing.assert_close(y, torch.softmax(x.float(), dim).to(out_dtype), **tol)
+                g = torch.randn(x.shape).to(dtype)
+                y = torch.softmax(x.float(), dim)
+                dx = kernels.softmax_backward(g, y, 0.5, dtype, kernel=kernel, dim=dim)
+                expect = 0.5 * y * (g.float() - (g.float() * y).sum(dim, keepdim=True))
+                assert dx.is_contiguous() and dx.dtype == dtype
+                torch.testing.assert_close(dx, expect.to(dtype), **tol)
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[0.0, -inf, 1.0], [-inf] * 3, [1.0, nan, 2.0], [inf, 1.0, 2.0]]).T.contiguous()
+    torch.testing.assert_close(kernels.softmax_forward(special, torch.float32, kernel=kernel, dim=0),
+                               torch.softmax(special, 0), equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_softmax_with_dtype_of_any_input(backend):
+    """torch.softmax(x, dim, dtype=...) casts x first, so integer, bool and complex x work with a floating dtype
+    (complex loses its imaginary part, with torch's warning; its gradient is complex); without a floating dtype torch
+    refuses them and so do we (a TypeError naming the argument), and a non-floating dtype."""
+    inputs = [torch.randint(-5, 5, (4, 6)), torch.rand(4, 6) > 0.5, torch.randint(0, 9, (4, 6), dtype=torch.uint8),
+              torch.randn(4, 6, dtype=torch.complex64), torch.randn(4, 6, dtype=torch.float64)]
+    with fl.use_backend(backend):
+        for x in inputs:
+            for out_dtype in (torch.float32, torch.float16, torch.float64):
+                for dim in (0, 1):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # complex -> real
+                        expected = torch.softmax(x, dim, dtype=out_dtype)
+                        got = fl.softmax(x, dim, dtype=out_dtype)
+                    assert got.dtype == expected.dtype and got.stride() == expected.stride()
+                    torch.testing.assert_close(got, expected)
+            if not x.is_floating_point() and not x.is_complex():
+                with pytest.raises(TypeError, match="input"):
+                    fl.softmax(x, 0)
+        z = torch.randn(3, 5, dtype=torch.complex128, requires_grad=True)
+        g = torch.randn(3, 5, dtype=torch.float64)
+        with warnings.catch_warnings():  # torch warns once per process that the cast discards the imaginary part
+            warnings.simplefilter("ignore")
+            (dz,) = torch.autograd.grad(fl.softmax(z, 0, dtype=torch.float64), z, g)
+            (expected,) = torch.autograd.grad(torch.softmax(z, 0, dtype=torch.float64), z, g)
+        assert dz.dtype == torch.complex128
+        torch.testing.assert_close(dz, expected)
+        with pytest.raises(TypeError, match="input"):
+            fl.softmax(torch.randn(3, dtype=torch.complex64), 0)
+        with pytest.raises(TypeError, match="dtype"):
+            fl.softmax(torch.randn(3), 0, dtype=torch.complex64)
+
+
+def test_softmax_fake_and_compiled_strides_match_eager():
+    """The fake impls give the real outputs' strides (contiguous) for every dim and layout, and torch.compile's
+    outputs and gradients have eager's values and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch._dynamo.reset()
+    for x in (torch.randn(3, 5, 7), torch.randn(7, 5, 3).transpose(0, 2)):
+        for dim in range(3):
+            real = fl.softmax(x, dim)
+            with FakeTensorMode() as mode:
+                fake = fl.softmax(mode.from_tensor(x), dim)
+            assert fake.stride() == real.stride() == torch.softmax(x, dim).stride()
+
+            def f(t, d=dim):
+                return fl.softmax(t, d) * 2
+
+            leaf = x.detach().requires_grad_()
+            out = torch.compile(f, fullgraph=True)(leaf)
+            (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+            eager_leaf = x.detach().requires_grad_()
+            eager = f(eager_leaf)
+            (eager_grad,) = torch.autograd.grad(eager, eager_leaf, torch.ones_like(eager))
+            torch.testing.assert_close(out, eager)
+            torch.testing.assert_close(grad, eager_grad)
+            assert out.stride() == eager.stride() and grad.stride() == eager_grad.stride(), dim
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_softmax_empty_and_scalar(backend):
     with fl.use_backend(backend):
@@ -441,13 +600,17 @@ def test_opcheck(backend):
     y = torch.softmax(x.detach(), -1)
     mask = torch.rand(5, 17) > 0.3
     samples = [
-        (ops.softmax.default, (x, None)),
-        (ops.softmax.default, (x.detach().half().requires_grad_(), torch.float32)),
+        (ops.softmax.default, (x, -1, None)),
+        (ops.softmax.default, (x, 0, None)),
+        (ops.softmax.default, (x.transpose(0, 2), 1, None)),
+        (ops.softmax.default, (x.detach().half().requires_grad_(), 1, torch.float32)),
         (ops.scaled_masked_softmax.default, (x, 0.5, mask, True)),
         (ops.scaled_masked_softmax.default, (x, 0.5, torch.randn(3, 1, 17, requires_grad=True), False)),
         (ops.scaled_masked_softmax.default, (x, 1.0, None, False)),
-        (ops.softmax_backward.default, (torch.randn(3, 5, 17, requires_grad=True), y.requires_grad_(), 0.5,
+        (ops.softmax_backward.default, (torch.randn(3, 5, 17, requires_grad=True), y.requires_grad_(), -1, 0.5,
                                         torch.float32)),
+        (ops.softmax_backward.default, (torch.randn(3, 5, 17, requires_grad=True), torch.softmax(x.detach(), 1),
+                                        1, 0.5, torch.float32)),
     ]
     with fl.use_backend(backend):
         for op, args in samples:
@@ -557,6 +720,22 @@ def test_cuda_softmax(dtype, n_cols):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, dim", [((37, 4099), 0), ((8, 1000, 64), 1), ((4, 20000, 33), 1), ((3, 5, 7, 2), 2),
+                                        ((2, 12, 1024, 1024), 2), ((4096, 3, 2), 0)])
+def test_cuda_softmax_other_dims(dtype, shape, dim):
+    """The strided kernels (a dim other than the last, one tile and looped), contiguous and transposed input: parity,
+    and torch's (contiguous) strides for the output and the gradient."""
+    x = torch.randn(shape, device="cuda", dtype=dtype) * 4
+    for t in (x, x.transpose(0, -1).contiguous().transpose(0, -1)):
+        _check_softmax(t, dim)
+        leaf = t.detach().requires_grad_()
+        y = fl.softmax(leaf, dim)
+        (g,) = torch.autograd.grad(y, leaf, torch.randn_like(y))
+        assert y.stride() == torch.softmax(t, dim).stride() and y.is_contiguous() and g.is_contiguous()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", MASK_CASES + [((2, 4, 300, 20000), (300, 20000))])
 def test_cuda_scaled_masked_softmax(dtype, case):
     shape, mask_shape = case
@@ -648,5 +827,6 @@ def test_cuda_compile_and_opcheck():
     (g1,) = torch.autograd.grad(torch.compile(f, fullgraph=True)(x), x)
     (g2,) = torch.autograd.grad(f(x), x)
     torch.testing.assert_close(g1, g2)
-    opcheck(torch.ops.fusedlayers.softmax.default, (x, torch.float32))
+    opcheck(torch.ops.fusedlayers.softmax.default, (x, -1, torch.float32))
+    opcheck(torch.ops.fusedlayers.softmax.default, (x, 1, torch.float32))
     opcheck(torch.ops.fusedlayers.scaled_masked_softmax.default, (x, 0.5, None, True))

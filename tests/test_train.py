@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from omegaconf import open_dict
 from models.compare import compare, make_figure, read_job
 from models.compare import main as compare_main
 from models.layers import REGISTRIES
+from models.lit import GPTLitModule, UnsafeCheckpointError, load_checkpoint
 from models.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +129,7 @@ def test_shakespeare_char_experiment(tmp_path, cache_dir) -> None:
 
 
 def _ckpt_state(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_checkpoint(path)  # torch.load(weights_only=True)
 
 
 def test_resume_is_exact_and_seeded_runs_repeat(tmp_path, cache_dir) -> None:
@@ -157,10 +159,26 @@ def test_resume_is_exact_and_seeded_runs_repeat(tmp_path, cache_dir) -> None:
     assert other["val_history"] != full["val_history"]
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def test_run_ending_between_validations_saves_and_validates_the_final_state(tmp_path, cache_dir) -> None:
-    s = train(
-        make_cfg(tmp_path / "a", cache_dir, "trainer.max_steps=4")
-    )  # validation after 3, then stops at 4
+    records = _Records()
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(records)
+    try:
+        s = train(
+            make_cfg(tmp_path / "a", cache_dir, "trainer.max_steps=4")
+        )  # validation after 3, then stops at 4: last.ckpt is saved by train() itself
+    finally:
+        lightning_log.removeHandler(records)
+    assert not [m for m in records.messages if "weights_only" in m], records.messages
     assert [step for step, _ in s["val_history"]] == [3, 4]
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     state = _ckpt_state(last)
@@ -168,6 +186,65 @@ def test_run_ending_between_validations_saves_and_validates_the_final_state(tmp_
     assert state["optimizer_states"][0]["state"] and state["lr_schedulers"][0]["last_epoch"] == 4
     r = train(make_cfg(tmp_path / "b", cache_dir, "trainer.max_steps=6", f"ckpt_path={last}"))
     assert r["steps"] == 6 and [step for step, _ in r["val_history"]] == [3, 4, 6]
+
+
+_UNPICKLED: list = []
+
+
+def _unpickled(*args):
+    _UNPICKLED.append(args)  # what an arbitrary object's __reduce__ gets to run when it is unpickled
+    return args
+
+
+class Payload:
+    """An arbitrary object: unpickling it calls a function of the file's choosing (here a harmless one)."""
+
+    def __reduce__(self):
+        return (_unpickled, ("ran",))
+
+
+def test_checkpoints_load_weights_only_and_arbitrary_objects_are_refused(tmp_path, cache_dir, monkeypatch) -> None:
+    """Our checkpoints hold tensors and plain values only, so they load with torch.load(weights_only=True): torch's
+    own call, load_checkpoint, GPTLitModule.load_from_checkpoint and resuming (which passes weights_only=True to
+    torch.load). A checkpoint holding an arbitrary pickled object is refused by each, before it is unpickled, with an
+    error that names the object and what to do; resuming from it neither trains nor writes a checkpoint."""
+    s = train(make_cfg(tmp_path / "a", cache_dir, "trainer.max_steps=3", "model.dropout=0.1"))
+    last = Path(s["checkpoint"])
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert {"state_dict", "optimizer_states", "hyper_parameters", "rng_state", "batches_seen"} <= state.keys()
+    assert isinstance(state["hyper_parameters"]["tokenizer"], str)
+    model = GPTLitModule.load_from_checkpoint(last, map_location="cpu")
+    assert torch.equal(model.model.wte.weight, state["state_dict"]["model.wte.weight"])
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or real_load(*a, **k))
+    resumed = train(make_cfg(tmp_path / "b", cache_dir, "trainer.max_steps=4", "model.dropout=0.1",
+                             f"ckpt_path={last}"))
+    assert resumed["steps"] == 4 and loads and all(w is True for w in loads), loads
+    monkeypatch.setattr(torch, "load", real_load)
+
+    state["evil"] = Payload()
+    bad = tmp_path / "bad.ckpt"
+    torch.save(state, bad)
+    message = rf"refused to load checkpoint {bad}: its pickle refers to {__name__}\._unpickled.*add_safe_globals"
+    for load in (load_checkpoint, GPTLitModule.load_from_checkpoint):
+        with pytest.raises(UnsafeCheckpointError, match=message):
+            load(bad)
+    with pytest.raises(UnsafeCheckpointError, match=message):
+        train(make_cfg(tmp_path / "c", cache_dir, "trainer.max_steps=4", f"ckpt_path={bad}"))
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "failed"
+    assert not (tmp_path / "c" / "checkpoints").exists() or not list((tmp_path / "c" / "checkpoints").iterdir())
+    # without the scan (older torch, remote files) the load's own refusal is turned into the same error
+    monkeypatch.setattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None, raising=False)
+    with pytest.raises(UnsafeCheckpointError, match=rf"refused to load checkpoint {bad}: .*add_safe_globals"):
+        load_checkpoint(bad)
+    with pytest.raises(UnsafeCheckpointError, match=rf"refused to load checkpoint {bad}: .*add_safe_globals"):
+        train(make_cfg(tmp_path / "d", cache_dir, "trainer.max_steps=4", f"ckpt_path={bad}"))
+    assert not list((tmp_path / "d").glob("checkpoints/*.ckpt"))
+    assert _UNPICKLED == []  # the payload never ran
+    assert torch.load(bad, weights_only=False)["evil"] == ("ran",)  # (what weights_only=False would have done)
+    _UNPICKLED.clear()
 
 
 def test_ctrl_c_leaves_a_usable_checkpoint(tmp_path, cache_dir) -> None:

@@ -7,14 +7,16 @@ Per chunk of rows, ``fusedlayers.ops.linear_cross_entropy`` runs
     dlogits                             Triton CE backward kernel, written over the chunk buffer
     grad_x_c = dlogits @ W              cuBLAS, straight into grad_x's rows
     grad_W  += dlogits^T @ x_c          cuBLAS with bf16/fp16 operands and an fp32 output and
-                                        accumulator (``addmm_fp32_``), never a low-precision sum
+                                        accumulator (``addmm_fp32_``) by default; in the weight's own dtype
+                                        (a plain addmm) when the caller opts in to that accumulation
     grad_b  += dlogits.sum(0)           fp32
 
 The matmuls stay on cuBLAS: they are ~90% of the time, cuBLAS runs them at ~700 TFLOP/s on an H200 and
 its fp32-output GEMM accumulates grad_W in its epilogue; a Triton matmul would have to match that to
 win anything. The CE kernels between them are memory-bound passes over the chunk. This module holds
-the pieces that are not plain torch: the fp32-accumulating matmul and ``scale_cast`` (the upstream
-gradient applied in backward while casting the fp32 accumulators to the parameter dtype, one pass).
+the pieces that are not plain torch: the fp32-accumulating matmul, ``scale_cast`` (the upstream
+gradient applied in backward while casting the fp32 accumulators to the parameter dtype, one pass) and
+``scale_`` (the same in place, where a buffer already has its gradient's dtype).
 """
 
 from __future__ import annotations
@@ -80,3 +82,14 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
         block = 4096
         launch(_scale_cast_kernel, (cdiv(numel, block),), src, g, out, numel, BLOCK=block, num_warps=8)
     return out
+
+
+def scale_(buffer: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``buffer *= g`` in place (contiguous ``buffer``, 0-d ``g``), computed in fp32; returns ``buffer``. Each element
+    is read and written by the same program."""
+    assert buffer.is_contiguous()
+    numel = buffer.numel()
+    if numel:
+        block = 4096
+        launch(_scale_cast_kernel, (cdiv(numel, block),), buffer, g, buffer, numel, BLOCK=block, num_warps=8)
+    return buffer

@@ -9,9 +9,11 @@ exponent's argument is formed before the change of base: as precise as torch's f
 - forward: one program per (query block, b, h). Online softmax over key blocks: a running max m and sum l
   per row, the output accumulated in fp32 registers. The key loop runs in two stages: blocks that need no
   masking (no bounds check, no causal test: the common case runs lean), then the blocks on the causal
-  diagonal and/or the ragged tail of S. Writes the output and the logsumexp (natural log) per row.
-- backward: ``delta = rowsum(dO * O)`` (a small kernel), then two kernels that recompute the
-  probabilities tile by tile from the saved logsumexp:
+  diagonal and/or the ragged tail of S. Writes the output (through its strides: any layout) and the
+  logsumexp (natural log) per row, as a float64 m + log(l) for fp32 inputs (``_split_lse``).
+- backward: ``delta = rowsum(dO * O)`` (a small kernel), or with ``exact_delta`` sum_j P dP (the dQ kernel's
+  loop in DELTA_ONLY mode), then two kernels that recompute the probabilities tile by tile from the saved
+  logsumexp:
   * dK/dV: one program per (key block, b, h_kv); it loops over the query heads of its group and all query
     blocks, accumulating dK and dV in registers: GQA needs no expanded K/V and no atomics.
   * dQ: one program per (query block, b, h); it loops over the key blocks.
@@ -26,6 +28,9 @@ exponent's argument is formed before the change of base: as precise as torch's f
   in PyTorch (bit-identical).
 - fp16/bf16 inputs: tensor-core dots with fp32 accumulation, probabilities rounded to the input dtype for
   the P.V and dS.K products (as FlashAttention). fp32 inputs: IEEE fp32 dots (no TF32).
+- head dims: any D, Dv <= 256, padded to a power of two (BLOCK_D >= 16) inside the kernels by masked loads
+  and stores; q, k, v, the output and the gradients are addressed through their strides (stride 0 for
+  broadcast batch dims).
 """
 
 from __future__ import annotations
@@ -95,6 +100,17 @@ def _load2d(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_CO
         else:
             x = tl.load(ptrs)
     return x
+
+
+@triton.jit
+def _split_lse(lse):
+    """(hi, lo) fp32 with hi + lo = lse (float64): fp32 inputs keep the logsumexp m + log(l) unrounded, so
+    that exp((s - hi) - lo) is as precise as a softmax that subtracts the row max (an fp32 lse would be off
+    by u |lse|, the relative error of every probability of the row). lo = 0 on rows with no key (+inf)."""
+    hi = lse.to(tl.float32)
+    finite = tl.where(hi == float("inf"), 0.0, lse)  # (inf - inf would be NaN)
+    lo = (finite - finite.to(tl.float32).to(tl.float64)).to(tl.float32)
+    return hi, lo
 
 
 @triton.jit
@@ -230,6 +246,7 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, FAST_MAX: tl.constexpr,
@@ -274,12 +291,14 @@ def _attn_fwd_kernel(
         inv_l = inv_l * inv_keep
     out = acc * inv_l[:, None]
     if IEEE:  # natural units
-        lse = tl.where(has_keys, m_i + tl.log(l_safe), float("inf"))
+        # m + log(l) unrounded, in a float64 (see _split_lse)
+        lse = tl.where(has_keys, m_i.to(tl.float64) + tl.log(l_safe).to(tl.float64), float("inf"))
     else:
         lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("inf"))
-    o_ptrs = Out + bh.to(tl.int64) * L * DV + offs_m[:, None] * DV + offs_dv[None, :]
+    o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+              + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_dv[None, :] < DV))
-    tl.store(Lse + bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+    tl.store(Lse + bh.to(tl.int64) * L + offs_m, lse.to(Lse.dtype.element_ty), mask=offs_m < L)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -338,7 +357,8 @@ def _bwd_dkdv_inner(
         if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
         if IEEE:
-            p_t = _exp(s_t - lse[None, :], True)
+            lse_hi, lse_lo = _split_lse(lse)
+            p_t = _exp((s_t - lse_hi[None, :]) - lse_lo[None, :], True)
         else:
             p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
         do = _load2d(do_base + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd, offs_m, L, offs_dv, DV,
@@ -375,6 +395,8 @@ def _attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
@@ -442,24 +464,28 @@ def _attn_bwd_dkdv_kernel(
 
     key_rows = offs_n[:, None] < S
     if COMPUTE_DK:
-        tl.store(DK + bhk.to(tl.int64) * S * D + offs_n[:, None] * D + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=key_rows & (offs_d[None, :] < D))
+        tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+                 + offs_d[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
+                 mask=key_rows & (offs_d[None, :] < D))
     if COMPUTE_DV:
         if DROPOUT:
             dv = dv * inv_keep
-        tl.store(DV_ + bhk.to(tl.int64) * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
-                 dv.to(DV_.dtype.element_ty), mask=key_rows & (offs_dv[None, :] < DV))
+        tl.store(DV_ + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+                 + offs_dv[None, :] * stride_dvd, dv.to(DV_.dtype.element_ty),
+                 mask=key_rows & (offs_dv[None, :] < DV))
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, mask_base, lo, hi,
+    dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DELTA_ONLY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dQ of one query block over key blocks [lo, hi); DELTA_ONLY: instead delta = sum_j P dP (``dq`` is then
+    a (BLOCK_M,) row sum), with the very dP tiles the dQ pass forms."""
     k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     for start_n in range(lo, hi, BLOCK_N):
@@ -473,13 +499,19 @@ def _bwd_dq_inner(
                                HAS_MASK, MASK_BOOL, IEEE)
         else:
             s = qk * qk_scale
-        p = _exp(s - lse2[:, None], IEEE)
+        if IEEE:
+            p = _exp((s - lse2[:, None]) - lse_lo[:, None], True)
+        else:
+            p = _exp(s - lse2[:, None], False)
         dp = _mm(do, tl.trans(v), IEEE)
         if DROPOUT:
             keep = _dropout_keep(seed0, seed1, offs_m[:, None], cols[None, :], bh, drop_threshold)
             dp = tl.where(keep, dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq = _mma(ds.to(k.dtype), k, dq, IEEE)
+        if DELTA_ONLY:
+            dq += tl.sum(p * dp, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            dq = _mma(ds.to(k.dtype), k, dq, IEEE)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -493,11 +525,13 @@ def _attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, DELTA_ONLY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """dQ of one query block; DELTA_ONLY: the pass before it, writing delta = sum_j P dP to Delta."""
     bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -509,29 +543,42 @@ def _attn_bwd_dq_kernel(
     do = _load2d(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
                  + offs_dv[None, :] * stride_gd, offs_m, L, offs_dv, DV, True, not EVEN_DV)
     lse2 = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
-    if not IEEE:  # base-2 units
+    if IEEE:  # natural units, float64 lse split in two fp32 words
+        lse2, lse_lo = _split_lse(lse2)
+    else:  # base-2 units
         lse2 = lse2 * 1.4426950408889634
-    delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+        lse_lo = lse2
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if DELTA_ONLY:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        dq = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, mask_base, 0, full_hi,
+        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, 0, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, BLOCK_N,
     )
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, mask_base, full_hi, hi,
+        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, BLOCK_N,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, BLOCK_N,
     )
-    tl.store(DQ + bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_d[None, :] < D))
+    # if / else, not an early return: the compiler (unlike the interpreter) still builds the code after a
+    # constexpr branch that returns, where dq is the (BLOCK_M,) delta
+    if DELTA_ONLY:
+        tl.store(Delta + bh.to(tl.int64) * L + offs_m, dq, mask=offs_m < L)
+    else:
+        tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
+                 + offs_d[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < L) & (offs_d[None, :] < D))
 
 
 # ----------------------------------------------------------------------------- configs and launchers
@@ -611,17 +658,24 @@ def _exponent_scale(dtype: torch.dtype, scale: float) -> float:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) fp32 (+inf for fully-masked rows).
+    """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) (+inf for fully-masked rows), float64 for
+    fp32 inputs (m + log(l) unrounded), fp32 for 16-bit ones.
 
-    q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv), mask None or expanded to (B, H, L, S),
+    q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv), any strides (stride 0 for broadcast dims too),
+    any D, Dv <= 256 (padded to a power of two inside the kernels); mask None or expanded to (B, H, L, S),
     dropout None or (seed0, seed1, threshold, 1 / (1 - p)): seeds in [0, 2**31), an element is kept when
-    the top 31 bits of its Philox word are >= threshold.
+    the top 31 bits of its Philox word are >= threshold. ``out`` (any strides) and ``lse`` (contiguous):
+    where to write, new tensors if None.
     """
     B, H, L, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty((B, H, L, DV), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((B, H, L, DV), dtype=q.dtype, device=q.device)
+    if lse is None:  # float64 for fp32 inputs: see _split_lse
+        lse_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
+        lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
@@ -631,7 +685,7 @@ def attention_forward(
     grid = (cdiv(L, cfg.block_m), B * H)
     launch(_attn_fwd_kernel, grid,
         q, k, v, out, lse, mask_t,
-        *q.stride(), *k.stride(), *v.stride(), *ms,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
         H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32,
@@ -645,26 +699,34 @@ def attention_forward(
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, mask: torch.Tensor | None, dropout: tuple[int, int, int, float] | None,
-    is_causal: bool, scale: float, need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool,
+    is_causal: bool, scale: float, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
+    ds: torch.Tensor | None, exact_delta: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dq, dk, dv (contiguous, in their input's dtype) and dS (B, H, L, S) fp32 for a float mask's
-    gradient; None for each one not asked for. Shapes as in ``attention_forward``."""
+    """Writes the gradients asked for into ``dq``, ``dk``, ``dv`` (any strides, shapes and dtypes of q, k,
+    v) and ``ds`` (d(loss)/d(scores), (B, H, L, S) fp32 contiguous, for a float mask's gradient); None for
+    each one not asked for. Shapes as in ``attention_forward``. Returns them.
+
+    ``exact_delta``: form delta_i = sum_j P_ij dP_ij in a pass over the keys (the dQ kernel's loop without
+    its dS.K product: two of the backward's seven tile products more) instead of rowsum(dO * O) from the
+    saved output. Equal in exact arithmetic; but the saved output is rounded (fp16/bf16), and where the
+    softmax is nearly one-hot dP - delta cancels, so that delta must come from the very dP it is taken from
+    (as torch's math path does) for dS to keep its accuracy."""
     B, H, L, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
-    dq = torch.empty(q.shape, dtype=q.dtype, device=dev) if need_dq else None
-    dk = torch.empty(k.shape, dtype=k.dtype, device=dev) if need_dk else None
-    dv = torch.empty(v.shape, dtype=v.dtype, device=dev) if need_dv else None
-    ds = torch.zeros((B, H, L, S), dtype=torch.float32, device=dev) if need_dmask else None
+    need_dq, need_dk, need_dv, need_dmask = (t is not None for t in (dq, dk, dv, ds))
+    if need_dmask:
+        ds.zero_()
     if L == 0 or S == 0 or B * H == 0:  # nothing attends: zero gradients
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
     bd, bdv = _head_block(D), _head_block(DV)
     lse = lse.contiguous()
     delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
-    pre_m = 64 if bdv <= 128 else 32
-    launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
-    )
+    if not exact_delta:
+        pre_m = 64 if bdv <= 128 else 32
+        launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
+        )
     mask_t, ms, mask_bool = _mask_args(mask, q)
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     common = dict(
@@ -673,18 +735,28 @@ def attention_backward(
     )
     scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
+    dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
+    if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
+        dq_t = dq if need_dq else q
+        launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
+            q, k, v, grad_out, lse, delta, dq_t, mask_t, *strides, *dq_t.stride(), *scalars, **common,
+            DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages,
+        )
     if need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None)
+        dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
-            q, k, v, grad_out, lse, delta, dk if need_dk else q, dv if need_dv else q, mask_t,
-            ds if need_dmask else delta, *strides, *scalars,
+            q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t,
+            ds if need_dmask else delta, *strides, *dk_t.stride(), *dv_t.stride(), *scalars,
             COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if need_dq:
-        cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
+        cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
-            q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *scalars, **common,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *dq.stride(), *scalars, **common,
+            DELTA_ONLY=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return dq, dk, dv, ds

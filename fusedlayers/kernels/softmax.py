@@ -1,7 +1,7 @@
-"""Triton kernels for softmax over the last dim, plain and scaled-masked, forward and backward.
+"""Triton kernels for softmax, plain and scaled-masked, forward and backward.
 
-Every kernel sees the input as a 2-D (rows, cols) view with a row stride and a column stride, and
-accumulates in fp32. Two shapes of kernel:
+Softmax over the last dim: every kernel sees the input as a 2-D (rows, cols) view with a row stride and
+a column stride, and accumulates in fp32. Two shapes of kernel:
 
 - one-pass: a (BLOCK_M, BLOCK_N) tile holds BLOCK_M whole rows in registers; each element is read
   once and written once (2 tensors moved forward, 3 backward). Rows of one program each run as 1-D
@@ -27,11 +27,21 @@ The scaled-masked variant computes softmax(x * scale + mask) where the mask is b
 additive float, broadcast to the scores through its strides (stride 0 where it broadcasts), and/or
 causal (key j kept for query i when j <= i, top-left as in SDPA). Rows whose every entry is -inf give
 zeros when ZERO_EMPTY_ROWS is set (the masked op), NaN otherwise (plain softmax, as torch does).
+
+Plain softmax over any other dim (the strided kernels): input, output and gradients are seen as
+(outer, cols, inner) views, the dim in the middle, each with its own three strides; the output is
+contiguous (torch's layout), so for a contiguous input softmax over dim d reduces with column stride
+inner. A program takes BLOCK_M consecutive inner indices of one outer index (consecutive addresses in a
+contiguous tensor, which the compiler sees when the inner stride is 1: coalesced, vectorized accesses)
+and reduces over the columns in one tile, or in two sweeps (running max and sum, then the output; the
+backward: sum(grad * out), then the gradient) when the tile would exceed STRIDED_TILE elements. No
+transposed copy is made; a copy happens only where an input's strides do not allow the 3-D view.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import NamedTuple
 
@@ -442,6 +452,99 @@ def _softmax_fwd_split_kernel(
                      eviction_policy="evict_first")
 
 
+# ----------------------------------------------------------------------------- other dims (strided)
+
+
+@triton.jit
+def _strided_block(n_inner, BLOCK_M: tl.constexpr):
+    """(outer index, BLOCK_M inner indices, which of them exist) of this program: the inner indices come from
+    ``arange`` plus a scalar, so the compiler sees them consecutive."""
+    pid = tl.program_id(0)
+    inner_blocks = tl.cdiv(n_inner, BLOCK_M)
+    outer = (pid // inner_blocks).to(tl.int64)
+    inner = (pid % inner_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return outer, inner[:, None].to(tl.int64), (inner < n_inner)[:, None]
+
+
+@triton.jit
+def _softmax_fwd_strided_kernel(
+    x_ptr, y_ptr, n_inner, n_cols, stride_xo, stride_xc, stride_xi, stride_yo, stride_yc, stride_yi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+):
+    """Softmax over the middle dim of (outer, cols, inner) views of x and y (see the module docstring). One tile
+    (BLOCK_N >= n_cols), or LOOPED: a running max and sum over BLOCK_N columns at a time, then the output."""
+    outer, inner, rows_ok = _strided_block(n_inner, BLOCK_M)
+    x_rows = x_ptr + outer * stride_xo + inner * stride_xi
+    y_rows = y_ptr + outer * stride_yo + inner * stride_yi
+    cols = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+    if not LOOPED:
+        inside = rows_ok & (cols < n_cols)
+        z = tl.load(x_rows + cols * stride_xc, mask=inside, other=float("-inf")).to(tl.float32)
+        row_max_log2 = tl.max(z, axis=1) * LOG2E
+        e = tl.exp2(z * LOG2E - row_max_log2[:, None])
+        y = e / tl.sum(e, axis=1)[:, None]
+        tl.store(y_rows + cols * stride_yc, y.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_M,), tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            z = tl.load(x_rows + c * stride_xc, mask=rows_ok & (c < n_cols), other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # s stays 0 while everything seen is -inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp2(z * LOG2E - (m_safe * LOG2E)[:, None]), axis=1)
+            m = m_new
+        inv = 1.0 / s
+        row_max_log2 = m * LOG2E
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            inside = rows_ok & (c < n_cols)
+            z = tl.load(x_rows + c * stride_xc, mask=inside, other=float("-inf")).to(tl.float32)
+            y = tl.exp2(z * LOG2E - row_max_log2[:, None]) * inv[:, None]
+            tl.store(y_rows + c * stride_yc, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _softmax_bwd_strided_kernel(
+    g_ptr, y_ptr, dx_ptr, n_inner, n_cols, stride_go, stride_gc, stride_gi, stride_yo, stride_yc, stride_yi,
+    stride_do, stride_dc, stride_di, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, SCALED: tl.constexpr,
+):
+    """dx = scale * y * (g - sum(g * y)) over the middle dim of (outer, cols, inner) views of g, y and dx: one tile,
+    or LOOPED: sum(g * y) over BLOCK_N columns at a time, then the gradient."""
+    outer, inner, rows_ok = _strided_block(n_inner, BLOCK_M)
+    g_rows = g_ptr + outer * stride_go + inner * stride_gi
+    y_rows = y_ptr + outer * stride_yo + inner * stride_yi
+    dx_rows = dx_ptr + outer * stride_do + inner * stride_di
+    cols = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+    if not LOOPED:
+        inside = rows_ok & (cols < n_cols)
+        y = tl.load(y_rows + cols * stride_yc, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(g_rows + cols * stride_gc, mask=inside, other=0.0).to(tl.float32)
+        dx = y * (g - tl.sum(g * y, axis=1)[:, None])
+        if SCALED:
+            dx = dx * scale
+        tl.store(dx_rows + cols * stride_dc, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            inside = rows_ok & (c < n_cols)
+            y = tl.load(y_rows + c * stride_yc, mask=inside, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + c * stride_gc, mask=inside, other=0.0).to(tl.float32)
+            acc += g * y
+        dot = tl.sum(acc, axis=1)[:, None]
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            inside = rows_ok & (c < n_cols)
+            y = tl.load(y_rows + c * stride_yc, mask=inside, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + c * stride_gc, mask=inside, other=0.0).to(tl.float32)
+            dx = y * (g - dot)
+            if SCALED:
+                dx = dx * scale
+            tl.store(dx_rows + c * stride_dc, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
 class SplitCounters:
     """The counters of a split launch (an arrival count per row, then the ticket), zero when it starts, without a
     memset per launch: two buffers take turns, and each cooperative launch zeroes the first n_rows + 1 entries of
@@ -740,16 +843,24 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 def softmax_forward(
     x: torch.Tensor, out_dtype: torch.dtype, scale: float = 1.0, mask: torch.Tensor | None = None,
-    is_causal: bool = False, zero_empty_rows: bool = False, kernel: str | None = None,
+    is_causal: bool = False, zero_empty_rows: bool = False, kernel: str | None = None, dim: int = -1,
 ) -> torch.Tensor:
-    """Softmax of ``x * scale (+ mask)`` over the last dim, as a new contiguous tensor of ``out_dtype``.
+    """Softmax of ``x * scale (+ mask)`` over the last dim, or of ``x`` over ``dim``, as a new contiguous tensor of
+    ``out_dtype``.
 
     ``mask`` must already be expanded to ``x.shape`` (a view; broadcast dims have stride 0) and bool or
-    floating. ``kernel`` forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row).
+    floating. ``kernel`` forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row;
+    a dim other than the last has no split kernel: "split" runs the looped one there). ``dim`` other than the
+    last: plain softmax only (no scale, mask or causal).
     """
+    _check_shape(kernel)
+    dim = dim % max(x.dim(), 1)
+    if dim != x.dim() - 1:
+        if mask is not None or is_causal or scale != 1.0 or zero_empty_rows:
+            raise ValueError("softmax_forward: scale, mask, is_causal and zero_empty_rows need dim=-1")
+        return _strided_forward(x, out_dtype, dim, kernel)
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     if y.numel() == 0:
-        _check_shape(kernel)
         return y
     n_cols = x.shape[-1]
     x2, n_rows, stride_r, stride_c = _rows(x)
@@ -764,17 +875,77 @@ def softmax_forward(
 
 
 def softmax_backward(
-    grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, kernel: str | None = None
+    grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, kernel: str | None = None,
+    dim: int = -1,
 ) -> torch.Tensor:
-    """scale * out * (grad - sum(grad * out, -1)) as a new contiguous tensor of ``grad_dtype``. ``kernel``
-    forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row length)."""
+    """scale * out * (grad - sum(grad * out, dim)) as a new contiguous tensor of ``grad_dtype``. ``kernel``
+    forces a kernel shape, "one_pass", "split" or "looped" (None: ``kernel_for`` the row length; as in
+    ``softmax_forward`` for a dim other than the last)."""
+    _check_shape(kernel)
+    dim = dim % max(out.dim(), 1)
+    if dim != out.dim() - 1:
+        return _strided_backward(grad, out, scale, grad_dtype, dim, kernel)
     dx = torch.empty_like(out, dtype=grad_dtype, memory_format=torch.contiguous_format)
     if dx.numel() == 0:
-        _check_shape(kernel)
         return dx
     n_cols = out.shape[-1]
     out = out if out.is_contiguous() else out.contiguous()  # the kernels read out with row stride n_cols
     g2, n_rows, stride_r, stride_c = _rows(grad)
     plan = _backward_plan(n_cols, out.dtype, grad.dtype, out.device, kernel, scale != 1.0)
     _launch_plan(plan, out.device, (g2, out, dx), (n_rows, n_cols, stride_r, stride_c, float(scale)), n_rows)
+    return dx
+
+
+# ----------------------------------------------------------------------------- other dims (strided): launchers
+
+# Elements per program of the strided kernels (BLOCK_M x BLOCK_N): larger tiles loop over the columns. BLOCK_M, the
+# inner indices per program, up to STRIDED_BLOCK_M: 64 bytes of consecutive 16-bit elements per column.
+STRIDED_TILE = 4096
+STRIDED_BLOCK_M = 32
+
+
+def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as an (outer, size of dim, inner) tensor: a view where t's strides allow one (any contiguous tensor,
+    transposed and expanded ones too), else a contiguous copy."""
+    shape = t.shape
+    return t.reshape(math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]))
+
+
+def _strided_config(n_inner: int, n_cols: int, kernel: str | None) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, LOOPED, num_warps) of the strided kernels."""
+    block_m = min(next_power_of_2(n_inner), STRIDED_BLOCK_M)
+    block_n = next_power_of_2(n_cols)
+    looped = kernel in ("looped", "split") or (kernel is None and block_m * block_n > STRIDED_TILE)
+    if looped:
+        block_n = min(block_n, max(STRIDED_TILE // block_m, 16))
+    return block_m, block_n, looped, 4 if block_m * block_n <= 2048 else 8
+
+
+def _strided_forward(x: torch.Tensor, out_dtype: torch.dtype, dim: int, kernel: str | None) -> torch.Tensor:
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    if y.numel() == 0:
+        return y
+    x3, y3 = _as_3d(x, dim), _as_3d(y, dim)
+    n_outer, n_cols, n_inner = x3.shape
+    if n_inner == 1:  # every dim after ``dim`` has size 1: rows of the last-dim kernels
+        return softmax_forward(x3[:, :, 0], out_dtype, kernel=kernel).view(x.shape)
+    block_m, block_n, looped, num_warps = _strided_config(n_inner, n_cols, kernel)
+    launch(_softmax_fwd_strided_kernel, (n_outer * cdiv(n_inner, block_m),), x3, y3, n_inner, n_cols,
+           *x3.stride(), *y3.stride(), BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped, num_warps=num_warps)
+    return y
+
+
+def _strided_backward(grad: torch.Tensor, out: torch.Tensor, scale: float, grad_dtype: torch.dtype, dim: int,
+                      kernel: str | None) -> torch.Tensor:
+    dx = torch.empty_like(out, dtype=grad_dtype, memory_format=torch.contiguous_format)
+    if dx.numel() == 0:
+        return dx
+    g3, y3, dx3 = _as_3d(grad, dim), _as_3d(out, dim), _as_3d(dx, dim)
+    n_outer, n_cols, n_inner = y3.shape
+    if n_inner == 1:
+        return softmax_backward(g3[:, :, 0], y3[:, :, 0], scale, grad_dtype, kernel=kernel).view(out.shape)
+    block_m, block_n, looped, num_warps = _strided_config(n_inner, n_cols, kernel)
+    launch(_softmax_bwd_strided_kernel, (n_outer * cdiv(n_inner, block_m),), g3, y3, dx3, n_inner, n_cols,
+           *g3.stride(), *y3.stride(), *dx3.stride(), float(scale), BLOCK_M=block_m, BLOCK_N=block_n,
+           LOOPED=looped, SCALED=scale != 1.0, num_warps=num_warps)
     return dx

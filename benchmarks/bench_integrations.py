@@ -1,0 +1,150 @@
+"""Benchmark the integrations on the GPU: our kernels reached through other people's code.
+
+1. PyTorch SDPA (``fusedlayers.integrations.sdpa``): an unmodified ``F.scaled_dot_product_attention`` call with
+   our implementation activated, against calling ``fl.scaled_dot_product_attention`` directly (target: within
+   3%) and against torch's own flash kernels; bf16, batch * L = 16384, H * D = 2048, forward and forward+backward.
+2. Hugging Face transformers (``fusedlayers.integrations.transformers.apply``): a Llama-style ``LlamaForCausalLM``
+   built from a config (no download; ~0.9B parameters, GQA, vocabulary 128256), bf16, one training step
+   (forward + backward with labels) with ``attn_implementation="sdpa"`` and the stock loss, against the same
+   model after ``apply`` (our attention and the linear+cross-entropy loss): tokens/s and peak memory
+   (targets: 1.2x the tokens/s, at most 0.6x the peak).
+
+    python benchmarks/bench_integrations.py [--out benchmarks/results/h100-integrations.md] [--only sdpa|hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fusedlayers as fl  # noqa: E402
+from benchmarks.timing import report  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=100, rep=500, return_mode="median")
+
+
+def sdpa_rows():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fusedlayers.integrations import sdpa as fl_sdpa
+
+    rows = []
+    for d, length, causal in [(64, 1024, True), (128, 1024, False), (128, 4096, True), (128, 4096, False)]:
+        b, h = 16384 // length, 2048 // d
+        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def fwd(f):
+            return lambda: f(q, k, v, is_causal=causal)
+
+        def fwd_bwd(f):
+            return lambda: torch.autograd.grad(f(q, k, v, is_causal=causal), (q, k, v), grad)
+
+        times = {}
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for mode, make in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                times["torch flash", mode] = median_ms(make(F.scaled_dot_product_attention))
+                times["fl direct", mode] = median_ms(make(fl.scaled_dot_product_attention))
+                fl_sdpa.enable()
+                try:
+                    calls = fl_sdpa.calls["forward"]
+                    times["F.sdpa -> fl", mode] = median_ms(make(F.scaled_dot_product_attention))
+                    assert fl_sdpa.calls["forward"] > calls, "the registered implementation did not run"
+                finally:
+                    fl_sdpa.disable()
+        for mode in ("fwd", "fwd+bwd"):
+            reg, direct, flash = times["F.sdpa -> fl", mode], times["fl direct", mode], times["torch flash", mode]
+            rows.append(f"| D{d} L{length} {'causal' if causal else 'full'} | {mode} | {reg:.3f} | {direct:.3f} | "
+                        f"{flash:.3f} | {direct / reg:.3f} | {flash / reg:.2f}x |")
+    head = ("| shape (bf16, B*L=16384, H*D=2048) | pass | F.sdpa -> fl (ms) | fl direct (ms) | torch flash (ms) | "
+            "direct / registered | vs torch flash |\n| --- | --- | --- | --- | --- | --- | --- |")
+    return "## PyTorch SDPA: `activate_flash_attention_impl(\"fusedlayers\")`\n\n" + head + "\n" + "\n".join(rows)
+
+
+def llama(vocab: int, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=8192,
+                         attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to("cuda", DTYPE)
+
+
+def train_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def measure_step(model, ids) -> tuple[float, float, float]:
+    """(ms per step, peak GB beyond the weights, loss)."""
+    loss = train_step(model, ids).item()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    train_step(model, ids)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+    ms = do_bench(lambda: train_step(model, ids), warmup=3, rep=30, return_mode="median")
+    return ms, peak, loss
+
+
+def hf_rows(batch: int, seq: int, layers: int):
+    from fusedlayers.integrations import transformers as flt
+
+    vocab = 128256
+    stock = llama(vocab, layers)
+    n_params = sum(p.numel() for p in stock.parameters()) / 1e9
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    results = {"stock (sdpa, HF loss)": measure_step(stock, ids)}
+    fused = flt.apply(copy.deepcopy(stock).to("cuda"))
+    del stock
+    torch.cuda.empty_cache()
+    results["fl apply (attention + linear CE)"] = measure_step(fused, ids)
+    base_ms, base_peak, base_loss = results["stock (sdpa, HF loss)"]
+    rows = [f"| {name} | {batch * seq / ms * 1e3:,.0f} | {ms:.1f} | {peak:.2f} | {base_ms / ms:.2f}x | "
+            f"{peak / base_peak:.2f}x | {loss:.4f} |" for name, (ms, peak, loss) in results.items()]
+    head = ("| model | tokens/s | ms/step | peak GB (beyond weights) | speed vs stock | memory vs stock | loss |\n"
+            "| --- | --- | --- | --- | --- | --- | --- |")
+    title = (f"## Hugging Face LlamaForCausalLM ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
+             f"4 KV heads, vocabulary {vocab}), bf16, batch {batch} x {seq}, forward + backward with labels")
+    return title + "\n\n" + head + "\n" + "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--only", choices=("sdpa", "hf"))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    sections = [f"# Integrations benchmark\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, "
+                f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}; "
+                "do_bench medians."]
+    if args.only in (None, "sdpa"):
+        sections.append(sdpa_rows())
+    if args.only in (None, "hf"):
+        sections.append(hf_rows(args.batch, args.seq, args.layers))
+    report("\n\n".join(sections) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()

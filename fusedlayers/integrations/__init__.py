@@ -1,0 +1,9 @@
+"""Integrations with other frameworks, each an optional extra, each imported on its own:
+
+- ``fusedlayers.integrations.sdpa``: our attention as a flash-attention implementation of torch's SDPA.
+- ``fusedlayers.integrations.transformers``: Hugging Face transformers models with our attention and fused
+  causal-LM loss (``pip install "fusedlayers[transformers]"``).
+
+This package imports nothing itself (``import fusedlayers`` never imports a framework); import the
+submodule you need.
+"""

@@ -1,0 +1,451 @@
+"""Fused layers inside Hugging Face transformers models.
+
+    from fusedlayers.integrations import transformers as flt
+    model = flt.apply(model)          # the same model object, changed in place
+    loss = model(input_ids, attention_mask=mask, labels=labels).loss   # fused attention and fused loss
+    flt.revert(model)                 # stock behaviour again
+
+``apply(model, attention=True, loss=True)`` does two independent things (each idempotent, each undone by
+``revert``):
+
+**attention** -- registers :func:`attention_forward` (``fl.scaled_dot_product_attention``) with transformers'
+``AttentionInterface`` under the name ``"fusedlayers"``, together with transformers' SDPA mask builder
+(``sdpa_mask``) under the same name in ``AttentionMaskInterface`` (without it transformers would build no
+mask at all for an unknown implementation), and selects it with ``model.set_attn_implementation`` (which
+also sets every sub-model and sub-config). The attention function mirrors transformers' own
+``sdpa_attention_forward``: (B, H, L, D) inputs, (B, L, H, D) output and no weights; padding / sliding-window
+/ packed-sequence masks arrive as the 4-D boolean masks transformers builds for SDPA (float masks work too);
+no mask means ``is_causal`` (top-left, and only when L > 1, keys cut to L when the cache has more, as SDPA's
+integration does); grouped-query attention reads the shared K/V heads (``enable_gqa``, no copy); dropout in
+training. Calls our op cannot express exactly fall back, per call, to transformers' stock function -- the
+SDPA one, or for what SDPA cannot do either (attention-logit soft-capping as in Gemma 2, attention sinks
+``s_aux``) the model's own eager function, given the mask eager attention expects (a float mask, causal
+included). Each fallback is counted in :data:`fallbacks` and logged once per reason:
+``softcap``, ``sinks``, ``position_bias``, ``mask_type`` (not a bool/float tensor), ``layout`` (not 4-D,
+batch broadcast between query and key, heads not a multiple), ``dtype``, ``head_dim`` (key and query head dims
+differ), ``sliding_window`` (a window the mask does not encode:
+no mask and more keys than the window), ``mask_shape``.
+
+**loss** -- replaces the ``forward`` of this model instance (not its class) by one that, when ``labels`` are
+given, computes the causal-LM loss with ``fl.linear_cross_entropy`` on the final hidden states and the
+output embedding's weight (and bias), so the (tokens x vocab) logits are never materialised. The stock
+forward still runs the base model (every argument, ``logits_to_keep`` and cache handling unchanged); only
+the output embedding is short-circuited while it runs: its input is captured and a zero-width placeholder
+returned. The loss is exactly transformers' ``ForCausalLMLoss``: labels shifted left and padded with
+``ignore_index`` (-100 unless given), or ``shift_labels`` if given; ``"mean"`` over the non-ignored tokens,
+or ``sum / num_items_in_batch`` when ``num_items_in_batch`` is given (as the Trainer does under gradient
+accumulation). fp16/bf16 models compute the loss in fp32 with 16-bit matmuls, as stock upcasts the logits;
+fp64 models get an fp64 loss (stock rounds the logits to fp32 first).
+
+With labels the returned output's ``logits`` are None, unless the call passes ``return_logits=True`` (then
+they are computed as stock computes them, from the same hidden states, at the cost of the logits). Without
+labels the forward is the stock one (logits computed as stock, generation unaffected). The output is the
+model's own output class (e.g. ``CausalLMOutputWithPast``), or a tuple under ``return_dict=False``.
+
+The fused loss falls back to the stock forward (counted in :data:`fallbacks`, logged once) when it could
+not be exact: ``final_logit_softcapping`` set (Gemma 2/3), an output embedding that is not a plain
+``nn.Linear`` (or whose forward was replaced, e.g. by accelerate's offloading hooks), a loss function other
+than ``ForCausalLMLoss``, and -- found on the first call with labels, then remembered for the model --
+``logits_postprocessed``: the model changes the logits after the output embedding (e.g. Cohere's
+``logit_scale``, Granite's ``logits_scaling``), or calls the output embedding other than once; that first
+call is then recomputed by the stock forward (it raises instead if a cache object was passed, since the
+first pass already updated it).
+
+Works for decoder ``*ForCausalLM`` models whose output embedding ``model.get_output_embeddings()`` is an
+``nn.Linear`` and whose forward takes ``labels`` (tested: Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-2, Phi, Cohere,
+Llava). Needs ``transformers>=4.54`` (``set_attn_implementation``, ``AttentionMaskInterface``); written against
+transformers 5.x (tested with 5.24 on CPU; the GPU machine has 5.17).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import inspect
+import logging
+import sys
+import warnings
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import ModelOutput
+
+from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
+
+__all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied"]
+
+NAME = "fusedlayers"
+
+#: How many calls fell back to stock, per reason (attention: per attention call; loss: per forward).
+fallbacks: collections.Counter[str] = collections.Counter()
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+_STATE = "_fusedlayers_transformers"  # the per-model record in model.__dict__
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_EAGER_ONLY = ("softcap", "sinks")  # what transformers' SDPA function refuses too: the model's eager one serves
+
+
+def _fallback(reason: str, detail: str) -> None:
+    fallbacks[reason] += 1
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("fusedlayers: %s; falling back to the stock implementation (logged once)", detail)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def register() -> None:
+    """Register :func:`attention_forward` and transformers' SDPA mask builder under ``"fusedlayers"`` (idempotent;
+    :func:`apply` calls it). After it, ``from_pretrained(..., attn_implementation="fusedlayers")`` works too."""
+    AttentionInterface.register(NAME, attention_forward)
+    # class-level registration: transformers checks the global mapping, and builds no mask for unknown names
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tuple[str, str] | None:
+    if kwargs.get("softcap") is not None:
+        return "softcap", "attention logit soft-capping (softcap) is not supported by fl.scaled_dot_product_attention"
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "sinks", "attention sinks (s_aux) are not supported by fl.scaled_dot_product_attention"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias", "a position bias is not supported by the fusedlayers attention integration"
+    if attention_mask is not None and not (
+        isinstance(attention_mask, torch.Tensor)
+        and (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())
+    ):
+        return "mask_type", f"attention mask of type {type(attention_mask).__name__} is not a bool or float tensor"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "layout", "query/key/value are not 4-D (B, H, L, D)"
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
+        return "dtype", f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype} are not supported"
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        return "layout", "query and key/value have different batch sizes (SDPA broadcasts them, we do not)"
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads == 0 or heads % kv_heads or value.shape[1] != kv_heads or value.shape[2] != key.shape[2]:
+        return "layout", f"{heads} query heads and {kv_heads} key/value heads are not grouped-query attention"
+    if key.shape[-1] != query.shape[-1]:
+        return "head_dim", f"key head dim {key.shape[-1]} differs from query's {query.shape[-1]}"
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        return "sliding_window", "a sliding window that the (absent) attention mask does not encode"
+    if attention_mask is not None:
+        try:
+            torch.broadcast_shapes(attention_mask.shape, (query.shape[0], heads, query.shape[2], key.shape[2]))
+            ok = attention_mask.dim() <= 4
+        except RuntimeError:
+            ok = False
+        if not ok:
+            return "mask_shape", (f"attention mask of shape {tuple(attention_mask.shape)} does not broadcast to "
+                                  f"{(query.shape[0], heads, query.shape[2], key.shape[2])}")
+    return None
+
+
+def _eager_attention_function(module: nn.Module):
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise NotImplementedError(f"fusedlayers: {type(module).__name__} needs eager attention here (softcap or "
+                                  "sinks) but its module defines no eager_attention_forward")
+    return fn
+
+
+def _eager_mask(module, query, key, attention_mask, is_causal):
+    """The additive float mask eager attention expects, from what the SDPA mask builder gave (bool or None)."""
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not (causal and query.shape[2] > 1):
+            return None
+        # transformers skips the SDPA mask only where SDPA's top-left is_causal is exact
+        attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        attention_mask = attention_mask[None, None]
+    if attention_mask.dtype == torch.bool:  # as transformers' eager_mask
+        zero = torch.zeros((), dtype=query.dtype, device=attention_mask.device)
+        attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+    return attention_mask
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface (as ``sdpa_attention_forward``) on
+    ``fl.scaled_dot_product_attention``: query (B, H, L, D), key/value (B, H_kv, S, D), mask bool (True = keep)
+    or additive float broadcastable to (B, H, L, S), or None -> attention output (B, L, H, Dv) and None. See the
+    module docstring for the fallbacks."""
+    reason = _attention_fallback_reason(query, key, value, attention_mask, kwargs)
+    if reason is not None:
+        _fallback(*reason)
+        call_kwargs = dict(kwargs, dropout=dropout, scaling=scaling)
+        if is_causal is not None:
+            call_kwargs["is_causal"] = is_causal
+        if reason[0] in _EAGER_ONLY:
+            mask = _eager_mask(module, query, key, attention_mask, is_causal)
+            return _eager_attention_function(module)(module, query, key, value, mask, **call_kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **call_kwargs)
+
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > q_len:  # prefill into an empty static cache: the rest are empty slots
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = _fl.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _configs(model: PreTrainedModel) -> list:
+    """Every config whose attention implementation set_attn_implementation may change."""
+    seen, out = set(), []
+    todo = [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        config = todo.pop()
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        out.append(config)
+        todo.extend(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})
+    return out
+
+
+def _apply_attention(model: PreTrainedModel, state: dict) -> None:
+    register()
+    if "attention" in state:
+        return
+    previous = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _configs(model)]
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        for config, value in previous:
+            config._attn_implementation_internal = value
+        warnings.warn(f"fusedlayers: {type(model).__name__} cannot switch its attention implementation (it does not "
+                      "use transformers' AttentionInterface); attention left as it was", stacklevel=3)
+        return
+    state["attention"] = previous
+
+
+def _revert_attention(state: dict) -> None:
+    for config, value in state.pop("attention", ()):
+        config._attn_implementation_internal = value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# loss
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _loss_fallback_reason(model, state) -> tuple[str, str] | None:
+    if state.get("loss_unsupported"):
+        return state["loss_unsupported"]
+    if getattr(_text_config(model), "final_logit_softcapping", None) is not None:
+        return "final_logit_softcapping", "final logit soft-capping is not supported by the fused loss"
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or "forward" in head.__dict__:
+        return "lm_head", f"the output embedding ({type(head).__name__}) is not a plain nn.Linear"
+    if model.loss_function is not ForCausalLMLoss:
+        return "loss_function", "the model's loss function is not transformers' ForCausalLMLoss"
+    return None
+
+
+def _var_keyword(sig: inspect.Signature) -> str | None:
+    return next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+def _holds_cache(values) -> bool:
+    from transformers.cache_utils import Cache
+
+    return any(isinstance(v, Cache) for v in values)
+
+
+def _fused_lm_loss(hidden, head: nn.Linear, labels, loss_kwargs: dict) -> torch.Tensor:
+    """transformers' ForCausalLMLoss(head(hidden), labels, **loss_kwargs) without the logits."""
+    ignore_index = loss_kwargs.get("ignore_index", -100)
+    num_items_in_batch = loss_kwargs.get("num_items_in_batch")
+    shift_labels = loss_kwargs.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if rows.shape[0] != shift_labels.shape[0]:
+        raise ValueError(f"fusedlayers: {rows.shape[0]} positions of hidden states (after logits_to_keep) but "
+                         f"{shift_labels.shape[0]} labels")
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    device_type = hidden.device.type
+    # stock computes the loss in fp32 from 16-bit logits: autocast makes our op do the same (16-bit matmuls,
+    # fp32 cross-entropy and loss)
+    upcast = hidden.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(device_type)
+    with torch.autocast(device_type, dtype=hidden.dtype) if upcast else contextlib.nullcontext():
+        loss = _fl.linear_cross_entropy(
+            rows, head.weight, shift_labels, linear_bias=head.bias, ignore_index=ignore_index, reduction=reduction
+        )
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _stock_forward(model, inner):
+    return inner if inner is not None else type(model).forward.__get__(model, type(model))
+
+
+def _fused_forward(model, inner, args, kwargs):
+    stock = _stock_forward(model, inner)
+    return_logits = bool(kwargs.pop("return_logits", False))
+    sig = inspect.signature(stock)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return stock(*args, **kwargs)  # stock raises the error
+    labels = bound.arguments.get("labels")
+    state = model.__dict__[_STATE]
+    if labels is None:
+        return stock(*args, **kwargs)
+    reason = _loss_fallback_reason(model, state)
+    if reason is not None:
+        _fallback(*reason)
+        return stock(*args, **kwargs)
+
+    vk = _var_keyword(sig)
+    extra = bound.arguments.setdefault(vk, {}) if vk is not None else {}
+    if "return_dict" in sig.parameters:
+        caller_return_dict = bound.arguments.get("return_dict")
+        bound.arguments["return_dict"] = True
+    else:
+        caller_return_dict = extra.get("return_dict")
+        if vk is not None:
+            extra["return_dict"] = True
+    return_dict = getattr(model.config, "return_dict", True) if caller_return_dict is None else caller_return_dict
+    bound.arguments["labels"] = None
+    loss_kwargs = dict(extra)
+
+    head = model.get_output_embeddings()
+    captured, placeholders = [], []
+
+    def capture(hidden, *rest, **more):
+        captured.append(hidden)
+        placeholders.append(hidden.new_empty((*hidden.shape[:-1], 0)))
+        return placeholders[-1]
+
+    head.forward = capture
+    try:
+        output = stock(*bound.args, **bound.kwargs)
+    finally:
+        del head.forward
+
+    intact = isinstance(output, ModelOutput) and len(captured) == 1
+    if not (intact and getattr(output, "logits", None) is placeholders[0]):
+        reason = ("logits_postprocessed", f"{type(model).__name__} changes the logits after the output embedding (or "
+                  "does not call it exactly once), which the fused loss cannot reproduce")
+        state["loss_unsupported"] = reason
+        if _holds_cache(list(args) + list(kwargs.values())):
+            raise RuntimeError(f"fusedlayers: {reason[1]}; this call passed a cache that the first pass already "
+                               "updated, so it cannot be recomputed. Call it again (the stock loss is used from now "
+                               "on for this model) or use apply(model, loss=False).")
+        _fallback(*reason)
+        return stock(*args, **kwargs)
+
+    hidden = captured[0]
+    loss = _fused_lm_loss(hidden, head, labels, loss_kwargs)
+    logits = head(hidden) if return_logits else None
+    values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    values.update(loss=loss, logits=logits)
+    output = type(output)(**values)
+    return output if return_dict else output.to_tuple()
+
+
+class _FusedForward:
+    """The ``forward`` of a model instance after ``apply(model, loss=True)``: the stock forward, with the causal-LM
+    loss fused when labels are given. Keeps the stock signature (generation and the Trainer inspect it)."""
+
+    def __init__(self, model: PreTrainedModel, inner):
+        self.model = model  # deepcopy / pickle of the model keep this pointing at the copy
+        self.inner = inner  # a forward the instance had before (e.g. a hook's), else None: the class's
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(_stock_forward(self.model, self.inner))
+
+    def __call__(self, *args, **kwargs):
+        return _fused_forward(self.model, self.inner, args, kwargs)
+
+
+def _apply_loss(model: PreTrainedModel, state: dict) -> None:
+    if "loss" in state:
+        return
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or "labels" not in inspect.signature(model.forward).parameters:
+        warnings.warn(f"fusedlayers: {type(model).__name__} is not a causal LM with an nn.Linear output embedding "
+                      "and a `labels` argument; loss left as it was", stacklevel=3)
+        return
+    inner = model.__dict__.get("forward")
+    model.forward = _FusedForward(model, inner)
+    state["loss"] = inner
+
+
+def _revert_loss(model: PreTrainedModel, state: dict) -> None:
+    if "loss" not in state:
+        return
+    inner = state.pop("loss")
+    state.pop("loss_unsupported", None)
+    if inner is None:
+        del model.forward
+    else:
+        model.forward = inner
+
+
+# --------------------------------------------------------------------------------------------------------------
+# public API
+
+
+def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True) -> PreTrainedModel:
+    """Make ``model`` use fused attention (``attention``) and the fused causal-LM loss (``loss``), in place; returns
+    the same model. Idempotent; enables what is asked and leaves the rest as it is (:func:`revert` undoes).
+    See the module docstring for what each does and when it falls back to stock."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    state = model.__dict__.setdefault(_STATE, {})
+    if attention:
+        _apply_attention(model, state)
+    if loss:
+        _apply_loss(model, state)
+    return model
+
+
+def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True) -> PreTrainedModel:
+    """Undo :func:`apply` (what is asked of it): the attention implementations the model and its sub-models had, and
+    the stock forward. Returns the same model; a model never applied is returned unchanged."""
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        return model
+    if attention:
+        _revert_attention(state)
+    if loss:
+        _revert_loss(model, state)
+    if not state:
+        del model.__dict__[_STATE]
+    return model
+
+
+def is_applied(model: PreTrainedModel) -> dict[str, bool]:
+    """{"attention": ..., "loss": ...}: what :func:`apply` currently has in place on ``model``."""
+    state = model.__dict__.get(_STATE, {})
+    return {"attention": "attention" in state, "loss": "loss" in state}

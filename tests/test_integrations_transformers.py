@@ -1,0 +1,510 @@
+"""fusedlayers.integrations.transformers: fused attention and the fused causal-LM loss inside Hugging Face models.
+
+Tiny models built from configs (no download). The applied model's loss and every parameter's gradient are
+compared with an untouched deep copy (stock SDPA attention, or eager where the architecture has no SDPA), under
+tests/parity.py's rule against a float64 reference (the float64 copy's logits through F.cross_entropy in
+float64: stock's own loss rounds the logits to fp32), or tightly in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.parity import FLOOR, assert_parity
+
+try:
+    import transformers
+except ImportError:  # the optional extra is not installed
+    transformers = None
+
+needs_transformers = pytest.mark.skipif(
+    transformers is None, reason='needs transformers (pip install -e ".[dev]" or "fusedlayers[transformers]")'
+)
+HAS_CUDA = torch.cuda.is_available()
+
+if transformers is not None:
+    from fusedlayers.integrations import transformers as flt
+
+B, T, V = 3, 12, 128
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=V, max_position_embeddings=64)
+
+
+def _tiny(arch: str, attn: str | None = None, **overrides):
+    """(a tiny randomly initialised model, its stock attention implementation)."""
+    t = transformers
+    if arch == "llama":
+        cls, config = t.LlamaForCausalLM, t.LlamaConfig(**COMMON)
+    elif arch == "qwen2":  # layer 1 uses a sliding window of 4 (shorter than the sequence)
+        cls, config = t.Qwen2ForCausalLM, t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=4,
+                                                         max_window_layers=1)
+    elif arch == "mistral":
+        cls, config = t.MistralForCausalLM, t.MistralConfig(**COMMON, sliding_window=4)
+    elif arch == "gemma":
+        cls, config = t.GemmaForCausalLM, t.GemmaConfig(**COMMON, head_dim=16)
+    elif arch == "gemma2":  # soft-capping of attention logits and final logits by default
+        cls, config = t.Gemma2ForCausalLM, t.Gemma2Config(**COMMON, head_dim=16, sliding_window=4)
+    elif arch == "gpt2":
+        cls, config = t.GPT2LMHeadModel, t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
+                                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    elif arch == "phi":  # lm_head has a bias
+        cls, config = t.PhiForCausalLM, t.PhiConfig(**COMMON)
+    elif arch == "cohere":  # scales the logits after lm_head
+        cls, config = t.CohereForCausalLM, t.CohereConfig(**COMMON)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    stock = attn or ("eager" if arch == "gemma2" else "sdpa")
+    config._attn_implementation = stock
+    torch.manual_seed(0)
+    return cls(config), stock
+
+
+def _batch(padding: str = "none", device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for row, n in enumerate((0, 3, 5)):
+        if n and padding == "left":
+            mask[row, :n] = 0
+        elif n and padding == "right":
+            mask[row, T - n:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 2] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if padding != "none":
+        batch["attention_mask"] = mask
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _reference_loss(model, batch, num_items_in_batch=None):
+    """ForCausalLMLoss from the model's logits, in their dtype (stock upcasts to fp32 first)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def _grads(model):
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def counters(monkeypatch):
+    """Calls of fl.scaled_dot_product_attention / fl.linear_cross_entropy, and the integration's fallbacks."""
+    import fusedlayers.functional as flf
+
+    calls = {"attention": [], "loss": 0}
+    attention, loss = flf.scaled_dot_product_attention, flf.linear_cross_entropy
+
+    def counted_attention(*args, **kwargs):
+        calls["attention"].append(kwargs)
+        return attention(*args, **kwargs)
+
+    def counted_loss(*args, **kwargs):
+        calls["loss"] += 1
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(flf, "scaled_dot_product_attention", counted_attention)
+    monkeypatch.setattr(flf, "linear_cross_entropy", counted_loss)
+    flt.fallbacks.clear()
+    yield calls
+    flt.fallbacks.clear()
+
+
+def _head_outputs(model):
+    """Record the shapes lm_head's forward hooks see."""
+    shapes = []
+    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    return shapes
+
+
+def _check_parity(arch, padding, counters, dtype=torch.float32, **overrides):
+    model, _ = _tiny(arch, **overrides)
+    model = model.to(dtype)
+    stock = copy.deepcopy(model)
+    reference = copy.deepcopy(model).double()
+    assert flt.apply(model) is model
+    model.train()
+    stock.train()
+    reference.train()
+    batch = _batch(padding)
+    head_shapes = _head_outputs(model)
+
+    out = model(**batch)
+    assert out.logits is None  # never materialised
+    assert head_shapes == [(B, T, 0)]  # lm_head was short-circuited: a zero-width placeholder only
+    assert counters["loss"] == 1
+    out.loss.backward()
+    stock_loss = stock(**batch).loss
+    stock_loss.backward()
+    ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    return model, stock, reference, out.loss, stock_loss, ref_loss
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma", "gpt2", "phi"]
+
+
+def test_import_fusedlayers_imports_no_framework():
+    code = ("import sys, fusedlayers, fusedlayers.integrations; "
+            "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'hydra') if m in sys.modules]; "
+            "assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@needs_transformers
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_grads_match_stock(arch, padding, counters):
+    model, stock, reference, loss, stock_loss, ref_loss = _check_parity(arch, padding, counters)
+    layers = model.config.num_hidden_layers
+    assert len(counters["attention"]) == layers  # every layer ran our attention
+    assert not flt.fallbacks, dict(flt.fallbacks)
+    if padding == "none" and arch in ("llama", "gemma", "gpt2"):  # no mask: causal through is_causal
+        assert all(c["is_causal"] and c["attn_mask"] is None for c in counters["attention"])
+    assert loss.dtype == stock_loss.dtype == torch.float32
+    assert (model.get_output_embeddings().bias is not None) == (arch == "phi")
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach(), "loss")
+    fused, stock_grads, ref = _grads(model), _grads(stock), _grads(reference)
+    assert fused.keys() == stock_grads.keys()
+    for name in fused:
+        assert_parity(fused[name], stock_grads[name], ref[name], name)
+
+
+@needs_transformers
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma", "gpt2", "phi"])
+def test_float64_tight(arch, padding, counters):
+    model, _ = _tiny(arch)
+    model = model.double()
+    reference = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch(padding)
+    loss = model(**batch).loss
+    loss.backward()
+    ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, _grads(reference)[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert len(counters["attention"]) == model.config.num_hidden_layers and not flt.fallbacks
+
+
+@needs_transformers
+def test_sliding_window_is_applied(counters):
+    """Mistral's window of 4 (< 12 tokens) changes the result, and our attention (through the mask) follows it."""
+    windowed, _ = _tiny("mistral")
+    full = copy.deepcopy(windowed)
+    full.config.sliding_window = None
+    windowed = copy.deepcopy(windowed).double()
+    reference = copy.deepcopy(windowed)
+    flt.apply(windowed)
+    batch = _batch("none")
+    loss = windowed(**batch).loss
+    assert all(c["attn_mask"] is not None for c in counters["attention"])  # the window is in the mask
+    torch.testing.assert_close(loss, _reference_loss(reference, batch), rtol=1e-12, atol=1e-12)
+    assert abs(loss.item() - full.double()(**batch).loss.item()) > 1e-4
+
+
+@needs_transformers
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_logits_without_labels_match_stock(arch, padding, counters):
+    model, _ = _tiny(arch, attn_logit_softcapping=None) if arch == "gemma2" else _tiny(arch)
+    stock = copy.deepcopy(model)
+    reference = copy.deepcopy(model).double()
+    flt.apply(model)
+    inputs = {k: v for k, v in _batch(padding).items() if k != "labels"}
+    logits = model(**inputs).logits
+    assert logits.shape == (B, T, V)
+    assert len(counters["attention"]) == model.config.num_hidden_layers and counters["loss"] == 0
+    stock_logits, ref_logits = stock(**inputs).logits, reference(**inputs).logits
+    assert_parity(logits.detach(), stock_logits.detach(), ref_logits.detach(), "logits")
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_matches_stock(arch, counters):
+    """Greedy generation with a KV cache (decode steps: one query against the cache, GQA) and left padding."""
+    model, _ = _tiny(arch)
+    model = model.double().eval()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    assert torch.equal(out, stock.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs))
+    assert len(counters["attention"]) == 4 * model.config.num_hidden_layers and not flt.fallbacks
+
+
+@needs_transformers
+def test_num_items_in_batch_shift_labels_and_ignore_index(counters):
+    model, _ = _tiny("llama")
+    model = model.double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("right")
+    n = torch.tensor(17)
+    loss = model(**batch, num_items_in_batch=n).loss
+    torch.testing.assert_close(loss, _reference_loss(stock, batch, num_items_in_batch=17), rtol=1e-12, atol=0)
+    assert loss.dtype == torch.float64
+    # pre-shifted labels (as context-parallel training passes them) and another ignore_index
+    shift = F.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+    shift = shift.masked_fill(shift == -100, 7)
+    got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                shift_labels=shift, ignore_index=7).loss
+    want = stock(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 shift_labels=shift, ignore_index=7).loss
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
+    assert counters["loss"] == 2
+
+
+@needs_transformers
+def test_return_dict_positional_labels_logits_to_keep_and_return_logits(counters):
+    model, _ = _tiny("llama")
+    model = model.double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    # labels positional (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels)
+    out = model(ids, mask, None, None, None, labels, return_dict=False)
+    assert isinstance(out, tuple) and out[0].dim() == 0  # (loss, cache, ...) with no logits
+    torch.testing.assert_close(out[0], _reference_loss(stock, batch), rtol=1e-12, atol=1e-12)
+    with_logits = model(**batch, return_logits=True)
+    torch.testing.assert_close(with_logits.logits, stock(ids, attention_mask=mask).logits, rtol=1e-12, atol=1e-12)
+    # logits_to_keep with labels needs labels for the kept positions only, as stock
+    kept = model(ids, attention_mask=mask, labels=labels[:, -4:], logits_to_keep=4).loss
+    want = stock(ids, attention_mask=mask, labels=labels[:, -4:], logits_to_keep=4).loss
+    torch.testing.assert_close(kept.float(), want, rtol=1e-6, atol=1e-6)
+
+
+@needs_transformers
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_gemma2_softcap_falls_back(padding, counters):
+    """Gemma 2 soft-caps attention logits (eager attention serves those calls, with its float mask) and final
+    logits (the stock loss serves): same results as the stock eager model."""
+    model, _ = _tiny("gemma2")  # fp32: stock eager Gemma 2 gives NaN for padded rows in fp64 (its fp32 softmax
+    stock = copy.deepcopy(model)  # turns the fp64 mask minimum into -inf)
+    flt.apply(model)
+    assert model.config._attn_implementation == "fusedlayers"
+    batch = _batch(padding)
+    out = model(**batch)
+    layers = model.config.num_hidden_layers
+    assert flt.fallbacks == {"softcap": layers, "final_logit_softcapping": 1}
+    assert counters["attention"] == [] and counters["loss"] == 0
+    assert out.logits is not None  # the stock forward
+    out.loss.backward()
+    want = stock(**batch).loss
+    want.backward()
+    torch.testing.assert_close(out.loss, want, rtol=0, atol=0)  # the same eager computation
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, _grads(stock)[name], rtol=0, atol=0, msg=name)
+
+
+@needs_transformers
+def test_gemma2_without_softcap_is_fused(counters):
+    model, stock, reference, loss, stock_loss, ref_loss = _check_parity(
+        "gemma2", "left", counters, attn_logit_softcapping=None, final_logit_softcapping=None)
+    assert len(counters["attention"]) == model.config.num_hidden_layers and not flt.fallbacks
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach(), "loss")
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
+
+
+@needs_transformers
+def test_odd_head_dim_runs_our_attention(counters):
+    model, _ = _tiny("llama", hidden_size=48, head_dim=12)  # head dim 12: not a multiple of 8, still ours
+    model = model.double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    loss = model(**batch).loss
+    assert flt.fallbacks == {} and len(counters["attention"]) == model.config.num_hidden_layers
+    assert counters["loss"] == 1
+    torch.testing.assert_close(loss, _reference_loss(stock, batch), rtol=1e-12, atol=1e-12)
+
+
+@needs_transformers
+def test_attention_function_fallbacks_and_arguments(counters):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, _ = _tiny("mistral")
+    module = model.model.layers[0].self_attn
+    q, k, v = (torch.randn(2, h, 12, 16, dtype=torch.float64) for h in (4, 2, 2))
+    # a window the absent mask does not encode: stock SDPA's result (it ignores the window too)
+    out, weights = flt.attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=4)
+    assert weights is None and flt.fallbacks == {"sliding_window": 1} and counters["attention"] == []
+    torch.testing.assert_close(out, sdpa_attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=4)[0])
+    # supported: GQA without copies, a bool mask broadcast over heads, dropout passed through, (B, L, H, D) out
+    mask = torch.rand(2, 1, 12, 12) > 0.3
+    out, _ = flt.attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.25)
+    call = counters["attention"][-1]
+    assert call["enable_gqa"] and not call["is_causal"] and call["attn_mask"] is mask and call["scale"] == 0.25
+    assert out.shape == (2, 12, 4, 16) and out.is_contiguous()
+    torch.testing.assert_close(out, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0])
+    # a longer (static) cache than the queries with no mask: keys cut to the queries, as stock
+    k2, v2 = torch.cat([k, torch.randn_like(k)], 2), torch.cat([v, torch.randn_like(v)], 2)
+    out, _ = flt.attention_forward(module, q, k2, v2, None)
+    torch.testing.assert_close(out, sdpa_attention_forward(module, q, k2, v2, None)[0])
+    # attention sinks: the model's eager function
+    with pytest.raises(NotImplementedError, match="eager"):
+        flt.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(4))
+    assert flt.fallbacks["sinks"] == 1
+
+
+@needs_transformers
+def test_dropout_in_training_only(counters):
+    model, _ = _tiny("llama", attention_dropout=0.5)
+    flt.apply(model)
+    batch = _batch("left")
+    model.train()
+    model(**batch).loss.backward()
+    assert [c["dropout_p"] for c in counters["attention"]] == [0.5, 0.5]
+    model.eval()
+    model(**batch)
+    assert [c["dropout_p"] for c in counters["attention"][2:]] == [0.0, 0.0]
+
+
+@needs_transformers
+def test_bfloat16_loss_is_fp32_and_matches_stock(counters):
+    model, stock, reference, loss, stock_loss, ref_loss = _check_parity("llama", "left", counters,
+                                                                        dtype=torch.bfloat16)
+    assert loss.dtype == stock_loss.dtype == torch.float32  # stock upcasts the logits; we compute CE in fp32
+    # the error is that of the bf16 computation before the loss: bf16's floor
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach().float(), "loss", floor=FLOOR[torch.bfloat16])
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
+
+
+@needs_transformers
+def test_logits_postprocessing_is_detected(counters):
+    """Cohere scales the logits after lm_head: the first call finds it and is recomputed by the stock forward,
+    later calls go straight to stock."""
+    model, _ = _tiny("cohere")
+    model = model.double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    for _ in range(2):
+        torch.testing.assert_close(model(**batch).loss, stock(**batch).loss, rtol=1e-12, atol=1e-12)
+    assert flt.fallbacks == {"logits_postprocessed": 2} and counters["loss"] == 0
+
+
+@needs_transformers
+def test_apply_is_idempotent_and_revert_restores_stock(counters):
+    import inspect
+
+    model, stock_impl = _tiny("qwen2")
+    stock = copy.deepcopy(model)
+    forward_signature = inspect.signature(model.forward)
+    assert flt.apply(model) is model
+    forward = model.forward
+    assert flt.apply(model) is model and model.forward is forward
+    assert flt.is_applied(model) == {"attention": True, "loss": True}
+    assert model.config._attn_implementation == model.model.config._attn_implementation == "fusedlayers"
+    assert inspect.signature(model.forward) == forward_signature  # generate / Trainer inspect it
+    copied = copy.deepcopy(model)  # the copy's forward runs the copy
+    assert copied.forward.model is copied
+
+    assert flt.revert(model) is model
+    assert flt.is_applied(model) == {"attention": False, "loss": False}
+    assert model.config._attn_implementation == stock_impl and "forward" not in model.__dict__
+    batch = _batch("left")
+    out = model(**batch)
+    assert counters["attention"] == [] and counters["loss"] == 0 and out.logits is not None
+    torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=0, atol=0)
+    # each part on its own
+    flt.apply(model, attention=False)
+    assert flt.is_applied(model) == {"attention": False, "loss": True}
+    model(**batch)
+    assert counters["attention"] == [] and counters["loss"] == 1
+    flt.apply(model, loss=False)
+    flt.revert(model, attention=False)
+    assert flt.is_applied(model) == {"attention": True, "loss": False}
+    assert model(**batch).logits is not None and len(counters["attention"]) == 2 and counters["loss"] == 1
+
+
+@needs_transformers
+def test_composite_model_sub_configs(counters):
+    """A vision-language model: set_attn_implementation reaches the text and vision sub-configs (CLIP's attention is
+    bidirectional), revert restores them, and the loss is fused on the language model's lm_head."""
+    t = transformers
+    config = t.LlavaConfig(
+        vision_config=t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=16, patch_size=8, projection_dim=32),
+        text_config=t.LlamaConfig(**COMMON), image_token_index=V - 1, vision_feature_layer=-1,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = t.LlavaForConditionalGeneration(config).double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    implementations = {type(c).__name__: c._attn_implementation for c in flt._configs(model)}
+    assert implementations == {"LlavaConfig": "fusedlayers", "LlamaConfig": "fusedlayers",
+                               "CLIPVisionConfig": "fusedlayers"}
+    ids = _batch("none")["input_ids"].clamp(max=V - 2)
+    ids[:, 1:5] = V - 1  # (16 / 8)**2 = 4 image tokens per image
+    batch = {"input_ids": ids, "pixel_values": torch.randn(B, 3, 16, 16, dtype=torch.float64),
+             "labels": ids.masked_fill(ids == V - 1, -100)}
+    out = model(**batch)
+    assert out.logits is None and counters["loss"] == 1 and not flt.fallbacks
+    assert [c["is_causal"] for c in counters["attention"]] == [False, True, True]  # vision tower, then text
+    out.loss.backward()
+    ref_loss = _reference_loss(stock, batch)
+    ref_loss.backward()
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, _grads(stock)[name], rtol=1e-9, atol=1e-12, msg=name)
+    flt.revert(model)
+    assert {c._attn_implementation for c in flt._configs(model)} == {"sdpa"}
+
+
+@needs_transformers
+def test_registered_name_works_from_config():
+    flt.register()
+    model, _ = _tiny("llama", attn="fusedlayers")
+    assert model.config._attn_implementation == "fusedlayers"
+    model(**_batch("left")).loss.backward()
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        flt.apply(torch.nn.Linear(2, 2))
+
+
+@needs_transformers
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_cuda_matches_stock(arch, dtype, counters):
+    """On the GPU: the Triton attention and linear-cross-entropy kernels inside a model, with padding."""
+    model, _ = _tiny(arch)
+    model = model.to("cuda", dtype)
+    stock = copy.deepcopy(model)
+    reference = copy.deepcopy(model).double()
+    flt.apply(model)
+    batch = _batch("left", device="cuda")
+    out = model(**batch)
+    assert out.logits is None and len(counters["attention"]) == 2 and counters["loss"] == 1 and not flt.fallbacks
+    out.loss.backward()
+    stock_loss = stock(**batch).loss
+    stock_loss.backward()
+    ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    assert out.loss.dtype == stock_loss.dtype == torch.float32
+    # the loss's error is that of the computation before it, in the model's dtype
+    assert_parity(out.loss.detach(), stock_loss.detach(), ref_loss.detach().float(), "loss", floor=FLOOR[dtype])
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
