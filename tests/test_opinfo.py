@@ -159,8 +159,8 @@ def check_sample(key, sample, twin, backend: str) -> list[str] | None:
             fused, fused_grads = run(twin, sample, grad_out)
     except Exception as e:
         return [f"raised {type(e).__name__}: {e}"]
-    if key[0] == "nn.functional.scaled_dot_product_attention" and fused.dtype == torch.float32:
-        return check_attention_fp32(sample, grad_out, fused, fused_grads, stock)
+    if key[0] == "nn.functional.scaled_dot_product_attention" and fused.dtype in (torch.float32, torch.float64):
+        return check_attention_bound(sample, grad_out, fused, fused_grads, stock)
     problems = compare("output", fused, stock, reference)
     if len(fused_grads) != len(stock_grads):
         return [*problems, f"{len(fused_grads)} gradients, torch gives {len(stock_grads)}"]
@@ -169,8 +169,8 @@ def check_sample(key, sample, twin, backend: str) -> list[str] | None:
     return problems
 
 
-def check_attention_fp32(sample, grad_out, fused, fused_grads, stock, dropout=None) -> list[str]:
-    """fp32 attention: comparing two fp32 errors (2x + floor) depends on the CPU's summation order (see
+def check_attention_bound(sample, grad_out, fused, fused_grads, stock, dropout=None) -> list[str]:
+    """fp32 / fp64 attention: comparing two errors (2x + floor) depends on the CPU's summation order (see
     tests/test_scaled_dot_product_attention.py), so the fused output and gradients must instead lie within the
     elementwise first-order error bound derived there (``attention_error_bounds``: gamma_n per sum, any order).
     Batch dims that broadcast are expanded for the bound; the gradient of a broadcast input is the sum of its
@@ -182,7 +182,8 @@ def check_attention_fp32(sample, grad_out, fused, fused_grads, stock, dropout=No
     mask, causal, scale = kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     full = [t.detach().double().expand(*batch, *t.shape[-2:]).clone().requires_grad_() for t in (q, k, v)]
-    bounds = attention_error_bounds(*full, mask, grad_out, causal, scale, dropout=dropout)
+    u = UNIT_ROUNDOFF[fused.dtype]
+    bounds = attention_error_bounds(*full, mask, grad_out, causal, scale, u=u, dropout=dropout)
     if dropout is None:
         out64 = torch.nn.functional.scaled_dot_product_attention(
             *full, attn_mask=None if mask is None else mask.double(), is_causal=causal, scale=scale)
@@ -193,7 +194,6 @@ def check_attention_fp32(sample, grad_out, fused, fused_grads, stock, dropout=No
         return [f"output: {fused.dtype}{tuple(fused.shape)} {fused.stride()} != torch's {stock.dtype}"
                 f"{tuple(stock.shape)} {stock.stride()}"]
     checks = [("output", fused, out64, bounds["output"])]
-    u = UNIT_ROUNDOFF[torch.float32]
     for name, t, got, g64, bound in zip(("dq", "dk", "dv"), (q, k, v), fused_grads, grads64,
                                         (bounds["dq"], bounds["dk"], bounds["dv"]), strict=False):
         n = g64.numel() // max(1, t.numel())  # expanded elements summed into each of t's
@@ -243,8 +243,8 @@ def check_dropout_sample(sample, twin, backend: str, grad_out, stock) -> list[st
         problems.append("applied probabilities are not the softmax's, kept / (1 - p) or dropped")
 
     factors = keep / (1 - p)
-    if q.dtype == torch.float32:
-        return problems + check_attention_fp32(sample, grad_out, fused, fused_grads, fused, dropout=factors)
+    if q.dtype in (torch.float32, torch.float64):
+        return problems + check_attention_bound(sample, grad_out, fused, fused_grads, fused, dropout=factors)
     explicit = SimpleNamespace(input=q, args=(k, v), kwargs=dict(is_causal=kwargs.get("is_causal", False),
                                                                  scale=kwargs.get("scale"), factors=factors))
     stock, stock_grads = run(dropped_attention, explicit, grad_out)

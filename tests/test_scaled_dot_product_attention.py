@@ -1076,15 +1076,33 @@ def test_cuda_any_head_dim(E, Ev, dtype):
 def test_cuda_broadcast_batch_dims(name, dtype):
     qs, ks, vs, gqa = BROADCAST_SHAPES[name]
     q, k, v = (torch.randn(s, device="cuda", dtype=dtype) for s in (qs, ks, vs))
-    check_against_torch(q, k, v, "auto", enable_gqa=gqa)
-    check_against_torch(q, k, v, "auto", is_causal=True, enable_gqa=gqa)
+    # gradient strides: torch's fused CUDA backwards choose their own layouts (per kernel and dtype), not mirrored
+    check_against_torch(q, k, v, "auto", enable_gqa=gqa, check_grad_strides=False)
+    check_against_torch(q, k, v, "auto", is_causal=True, enable_gqa=gqa, check_grad_strides=False)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(ZERO_SIZES))
 def test_cuda_zero_sizes(name):
-    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ZERO_SIZES[name])
-    check_against_torch(q, k, v, "auto", check_grad_strides=False)
+    """Against torch on the CPU: torch 2.11's CUDA SDPA returns None for some empty inputs, and its SDPA dies of
+    SIGFPE (an integer division by zero) for H = 0 on CUDA and CPU alike, so an empty output is checked by shape."""
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in ZERO_SIZES[name])
+    out = fl.scaled_dot_product_attention(q, k, v)
+    if out.numel() == 0:
+        assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), allow_unused=True)
+        assert all(g is None or (g.shape == t.shape and not g.any()) for g, t in zip(grads, (q, k, v), strict=True))
+        return
+    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*cpu)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.cpu().float(), ref.detach(), atol=1e-2, rtol=1e-2)
+    grad = torch.randn(ref.shape)
+    grads = torch.autograd.grad(out, (q, k, v), grad.cuda().to(out.dtype), allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, cpu, grad, allow_unused=True)
+    for g, r, t in zip(grads, ref_grads, cpu, strict=True):
+        g = torch.zeros(t.shape) if g is None else g.cpu().float()
+        torch.testing.assert_close(g, torch.zeros(t.shape) if r is None else r, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.cuda

@@ -102,6 +102,9 @@ def _norm_fwd_kernel(
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # the row length as fp32 for correctly rounded divisions (div_rn): '/' compiles to an approximate
+    # division, which is not exact even where the quotient is (x / 1), breaking exact cancellations
+    n_cols_f = (n_cols + tl.zeros([], tl.int32)).to(tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_in = rows < n_rows
@@ -114,13 +117,13 @@ def _norm_fwd_kernel(
         tl.store(h_ptr + out_offsets, h, mask=inside)
         x = h.to(tl.float32)
     if RMS:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=1), n_cols_f) + eps)
         y = x * rstd[:, None]
         tl.store(stats_ptr + rows, rstd, mask=row_in)
     else:
-        mean = tl.sum(x, axis=1) / n_cols
+        mean = tl.math.div_rn(tl.sum(x, axis=1), n_cols_f)
         xc = tl.where(inside, x - mean[:, None], 0.0)
-        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(xc * xc, axis=1), n_cols_f) + eps)
         y = xc * rstd[:, None]
         tl.store(stats_ptr + rows, mean, mask=row_in)
         tl.store(stats_ptr + n_rows + rows, rstd, mask=row_in)
@@ -138,6 +141,9 @@ def _norm_fwd_looped_kernel(
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
+    # the row length as fp32 for correctly rounded divisions (div_rn): '/' compiles to an approximate
+    # division, which is not exact even where the quotient is (x / 1), breaking exact cancellations
+    n_cols_f = (n_cols + tl.zeros([], tl.int32)).to(tl.float32)
     """One row per program: statistics in a first sweep, the output in a second (last block first)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xr
@@ -169,10 +175,10 @@ def _norm_fwd_looped_kernel(
             m2 = m2 + tl.sum(d * d, axis=0) + delta * delta * (count * n_block / total)
             count = total
     if RMS:
-        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+        rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(sum_sq, axis=0), n_cols_f) + eps)
         tl.store(stats_ptr + row, rstd)
     else:
-        rstd = tl.math.rsqrt(m2 / n_cols + eps)
+        rstd = tl.math.rsqrt(tl.math.div_rn(m2, n_cols_f) + eps)
         tl.store(stats_ptr + row, mean)
         tl.store(stats_ptr + n_rows + row, rstd)
     if HAS_RES:
@@ -205,6 +211,9 @@ def _norm_bwd_kernel(
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, PRECOMPUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
+    # the row length as fp32 for correctly rounded divisions (div_rn): '/' compiles to an approximate
+    # division, which is not exact even where the quotient is (x / 1), breaking exact cancellations
+    n_cols_f = (n_cols + tl.zeros([], tl.int32)).to(tl.float32)
     """Program (p, c) walks rows [p * rows_per_program, ...) over columns chunk c (chunk 0 = the whole row unless
     PRECOMPUTED, where the rows' two sums come from ``sums_ptr``), writing dx and its partial dw / db (row p of the
     (programs, N) fp32 buffers)."""
@@ -239,7 +248,7 @@ def _norm_bwd_kernel(
                 if PRECOMPUTED:
                     c1 = tl.load(sums_ptr + 2 * rows, mask=row_in, other=0.0)
                 else:
-                    c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+                    c1 = tl.math.div_rn(tl.sum(xhat * wdy, axis=1), n_cols_f)
                 dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
             else:
                 if PRECOMPUTED:
@@ -247,8 +256,8 @@ def _norm_bwd_kernel(
                     c2 = tl.load(sums_ptr + 2 * rows + 1, mask=row_in, other=0.0)
                 else:  # both row sums in one reduction (one exchange between warps instead of two)
                     s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair)
-                    c1 = s1 / n_cols
-                    c2 = s2 / n_cols
+                    c1 = tl.math.div_rn(s1, n_cols_f)
+                    c2 = tl.math.div_rn(s2, n_cols_f)
                 dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
             if HAS_GRES:
                 dx += _tile(gres_ptr, rows, cols, stride_gr, stride_gc, inside)
@@ -270,6 +279,9 @@ def _norm_bwd_row_sums_kernel(
     dy_ptr, x_ptr, w_ptr, stats_ptr, sums_ptr, n_rows, n_cols, stride_dyr, stride_dyc, stride_xr, stride_xc,
     RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
+    # the row length as fp32 for correctly rounded divisions (div_rn): '/' compiles to an approximate
+    # division, which is not exact even where the quotient is (x / 1), breaking exact cancellations
+    n_cols_f = (n_cols + tl.zeros([], tl.int32)).to(tl.float32)
     """Long rows: mean(xhat * w*dy) and mean(w*dy) of each row (one program per row, a looped sweep) into
     ``sums_ptr`` (2 per row), for ``_norm_bwd_kernel`` with PRECOMPUTED."""
     row = tl.program_id(0).to(tl.int64)
@@ -291,8 +303,8 @@ def _norm_bwd_row_sums_kernel(
             dy = dy * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         acc1 += (x - mean) * rstd * dy
         acc2 += dy
-    tl.store(sums_ptr + 2 * row, tl.sum(acc1, axis=0) / n_cols)
-    tl.store(sums_ptr + 2 * row + 1, tl.sum(acc2, axis=0) / n_cols)
+    tl.store(sums_ptr + 2 * row, tl.math.div_rn(tl.sum(acc1, axis=0), n_cols_f))
+    tl.store(sums_ptr + 2 * row + 1, tl.math.div_rn(tl.sum(acc2, axis=0), n_cols_f))
 
 
 @triton.jit
