@@ -150,10 +150,13 @@ def _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, active, n_cols, stride_xr, stri
         x = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=float("-inf")).to(tl.float32)
         q = tl.load(t_base + cols[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
         if HAS_SMOOTHING:
-            q = tl.where(mask, q * (1.0 - smoothing) + smoothing / n_cols, 0.0)
+            q = q * (1.0 - smoothing) + smoothing / n_cols
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
             q = q * w[None, :]
+        # also where q is the bare load (0 there already): Triton 3.6's TritonGPUOptimizeThreadLocality pass fails
+        # to compile the loop when sum_q accumulates a reduction of the bare load (H100; reproduced locally)
+        q = tl.where(mask, q, 0.0)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
