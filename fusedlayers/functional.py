@@ -15,13 +15,15 @@ from fusedlayers.ops import fake_quantize as _fake_quantize_ops
 from fusedlayers.ops import layer_norm as _layer_norm_ops
 from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops
 from fusedlayers.ops import rms_norm as _rms_norm_ops
+from fusedlayers.ops import rotary_embedding as _rotary_embedding_ops
 from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 from fusedlayers.ops import softmax as _softmax_ops
+from fusedlayers.ops import swiglu as _swiglu_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
            "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
-           "rms_norm", "layer_norm"]
+           "rms_norm", "layer_norm", "swiglu", "rotary_embedding"]
 
 
 def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
@@ -799,3 +801,72 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     _check_layer_norm_dtypes(h_dtype, input.is_cuda, weight, bias)
     y, h, _ = call(_layer_norm_ops.layer_norm, input, shape, weight, bias, eps, residual, None)
     return (y, h) if residual is not None else y
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gating, equal to ``F.silu(gate) * up``, from one kernel forward (reads gate and up, writes the output)
+    and one backward (reads the gradient, gate and up; writes only the gradients asked for). Computed in fp32 (fp64
+    for fp64), output in the promoted dtype of gate and up (as torch's), gradients in gate's and up's dtypes; the
+    backward saves only the inputs. gate and up: float tensors of the same shape on one device (no broadcasting),
+    any strides (each read as a (rows, last dim) view in place, e.g. the halves of a fused gate_up projection; a copy
+    only where its strides allow no such view), empty too; the output is contiguous. No autocast rule, as torch's
+    silu and mul (the inputs' dtypes in, the promoted dtype out)."""
+    v.check_float_tensor("gate", gate)
+    v.check_float_tensor("up", up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape (no broadcasting), got gate of shape "
+                         f"{tuple(gate.shape)} and up of shape {tuple(up.shape)}")
+    if gate.device != up.device:
+        raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
+    return call(_swiglu_ops.swiglu, gate, up)
+
+
+# ----------------------------------------------------------------------------- rotary position embedding
+
+
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of q and k, equal to transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``
+    (rotate-half convention): ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.
+
+    q: (B, H, T, D), k: (B, H_kv, T, D) (H_kv may differ from H: GQA/MQA), D even; any strides (e.g. a transposed
+    (B, T, H, D) projection, read in place). cos, sin: (B, T, D) or (1, T, D) as transformers' rotary embedding
+    returns them (unsqueezed on the head dim, ``unsqueeze_dim=1``), or (T, D) (broadcast over batch and heads). Returns
+    new tensors (q', k') laid out as q and k, in ``promote_types(q.dtype, cos.dtype)`` as transformers' result; q and k
+    are never modified. Both are rotated by one kernel launch, in fp32 (fp64 input runs the PyTorch reference); the
+    backward is the inverse rotation (by -theta) of both gradients in one launch and saves only cos and sin. cos/sin
+    get no gradient: a ValueError if they require one (detach them, or use transformers' function)."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        v.check_float_tensor(name, t)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D (batch, heads, seq_len, head_dim), got q of shape {tuple(q.shape)} "
+                         f"and k of shape {tuple(k.shape)}")
+    B, _, T, D = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (B, T, D):
+        raise ValueError(f"k of shape {tuple(k.shape)} must match q of shape {tuple(q.shape)} in batch, seq_len and "
+                         f"head_dim")
+    if D % 2:
+        raise ValueError(f"head_dim must be even for the rotate-half rotary embedding, got {D}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"cos and sin must have the same shape and dtype, got cos {tuple(cos.shape)} {cos.dtype} and "
+                         f"sin {tuple(sin.shape)} {sin.dtype}")
+    ok_shape = (cos.dim() == 2 and tuple(cos.shape) == (T, D)) or (
+        cos.dim() == 3 and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D))
+    if not ok_shape:
+        raise ValueError(f"cos/sin must have shape (seq_len, head_dim)=({T}, {D}) or (batch or 1, seq_len, head_dim)"
+                         f"=({B}, {T}, {D}), got {tuple(cos.shape)}")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
+        raise ValueError("cos/sin require grad, but fusedlayers.rotary_embedding computes no gradient for them: "
+                         "detach them (or use transformers' apply_rotary_pos_emb)")
+    return call(_rotary_embedding_ops.rotary_embedding, q, k, cos, sin)

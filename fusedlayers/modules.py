@@ -13,7 +13,7 @@ from fusedlayers.ops import fake_quantize as fq_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["Softmax", "CheckpointedBlock", "CrossEntropyLoss", "LinearCrossEntropyLoss", "FakeQuantLinear",
-           "RMSNorm", "LayerNorm"]
+           "RMSNorm", "LayerNorm", "SwiGLUMLP", "ApplyRotaryEmbedding"]
 
 
 class Softmax(nn.Module):
@@ -421,3 +421,36 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, input: Tensor, residual: Tensor | None = None):
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+
+
+# ----------------------------------------------------------------------------- SwiGLU MLP
+
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama's MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gating from ``fl.swiglu`` (one kernel
+    forward and backward). ``SwiGLUMLP(dim, hidden_dim, bias=False, device=None, dtype=None)``; parameters named as
+    Llama's (``gate_proj``, ``up_proj``: dim -> hidden_dim; ``down_proj``: hidden_dim -> dim; each an nn.Linear), so
+    a Llama MLP's state_dict loads as it is."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        factory = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(dim, hidden_dim, **factory)
+        self.up_proj = nn.Linear(dim, hidden_dim, **factory)
+        self.down_proj = nn.Linear(hidden_dim, dim, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------- rotary position embedding
+
+
+
+class ApplyRotaryEmbedding(nn.Module):
+    """``fl.rotary_embedding`` as a module (no parameters): ``forward(q, k, cos, sin) -> (q', k')``, equal to
+    transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``; cos/sin come from the model's rotary embedding."""
+
+    def forward(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return F.rotary_embedding(q, k, cos, sin)
