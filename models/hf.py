@@ -39,9 +39,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.gpt import GPT
 from models.registry import Registry
 
 ARCH = Registry("model.arch", "Hugging Face transformers architecture (model_type)")
@@ -299,27 +299,9 @@ class HFCausalLM(nn.Module):
         n = self.num_params(non_embedding=True)
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T), as ``GPT.generate`` (the last ``block_size``
-        tokens as context, no KV cache, through ``forward`` so that a sharded model gathers its weights); with
-        ``generator`` the global RNG is left untouched."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.config.block_size :]
-            logits = self(ctx, last_only=True)[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
+    # the GPT's sampling loop (the last block_size tokens as context, no KV cache, through forward so that a
+    # sharded model gathers its weights): it needs only forward(idx, last_only=True) and config.block_size
+    generate = GPT.generate
 
 
 def build(model_cfg: dict, vocab_size: int) -> HFCausalLM:
