@@ -1,10 +1,12 @@
-"""End-to-end: train steps of gpt-small with stock, compiled and fused layers, in one run (issue 8).
+"""End-to-end: train steps of gpt-small or llama-small with stock, compiled and fused layers, in one run.
 
-gpt-small (12 layers, 12 heads, 768 wide, T=1024, vocabulary 50304), bf16 autocast, fused AdamW, random token
-batches. Per variant: tokens/s, MFU (6N + 12LHQT FLOPs/token over the device's dense bf16 peak), peak memory
+gpt-small (12 layers, 12 heads, 768 wide, T=1024, vocabulary 50304) or llama-small (the same sizes with RMSNorm,
+SwiGLU width 2048, rotary positions and 4 key/value heads: configs/model/llama-small.yaml), bf16 autocast, fused
+AdamW, random token batches. Per variant: tokens/s, MFU (6N + 12LHQT FLOPs/token over the device's dense bf16 peak), peak memory
 and time per step, timed with CUDA events after warm-up (compiled variants: no recompiles allowed while timed).
 
     python benchmarks/bench_model.py --out benchmarks/results/h200-model.md [--profile] [--batch 64]
+    python benchmarks/bench_model.py --model llama-small --out benchmarks/results/h200-model-llama.md
 
 The default batch, 64 sequences (65,536 tokens a step), is the one the results table reports: the stock row needs
 about 107 GB there (an H200); on a smaller GPU pass --batch 16 or 32 (MFU is then 1-3 points lower).
@@ -26,28 +28,43 @@ import torch
 from models.callbacks import peak_flops
 from models.gpt import GPT, GPTConfig
 
-FUSED = dict(attention="custom", loss="fused_linear")
-VARIANTS = [  # (name, model overrides, torch.compile mode or None)
-    ("stock", {}, None),
-    ("stock + compile", {}, "default"),
-    ("sdpa", dict(attention="sdpa"), None),
-    ("attention=custom", dict(attention="custom"), None),
-    ("softmax=custom (stock attention)", dict(softmax="custom"), None),
-    ("loss=custom", dict(loss="custom"), None),
-    ("loss=fused_linear", dict(loss="fused_linear"), None),
-    ("checkpoint=selective", dict(checkpoint="selective"), None),
-    ("all fused", FUSED, None),
-    ("all fused + selective checkpoint", {**FUSED, "checkpoint": "selective"}, None),
-    ("all fused + compile", FUSED, "default"),
-    ("all fused + compile max-autotune-no-cudagraphs", FUSED, "max-autotune-no-cudagraphs"),
-    ("all fused + compile reduce-overhead", FUSED, "reduce-overhead"),
-]
+SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+MODELS = {  # name -> (config, the fused twin of each stock part)
+    "gpt-small": (SMALL, dict(attention="custom", loss="fused_linear", norm="fused_layernorm")),
+    "llama-small": (
+        dict(SMALL, n_kv_head=4, bias=False, norm="rmsnorm", mlp="swiglu", position="rotary"),
+        dict(attention="custom", loss="fused_linear", norm="fused_rmsnorm", mlp="fused_swiglu",
+             position="fused_rotary"),
+    ),
+}
+
+
+def variants_of(model: str) -> list[tuple[str, dict, str | None]]:
+    """(name, model overrides, torch.compile mode or None): stock, each fused part alone, all fused."""
+    fused = MODELS[model][1]
+    parts = [(f"{key}={value}", {key: value}, None) for key, value in fused.items()]
+    if model == "gpt-small":  # the softmax inside the stock attention, and torch's SDPA
+        parts.insert(0, ("sdpa", dict(attention="sdpa"), None))
+        parts.insert(2, ("softmax=custom (stock attention)", dict(softmax="custom"), None))
+        parts.insert(4, ("loss=custom", dict(loss="custom"), None))
+    else:
+        parts.insert(0, ("sdpa", dict(attention="sdpa"), None))
+    return [
+        ("stock", {}, None),
+        ("stock + compile", {}, "default"),
+        *parts,
+        ("checkpoint=selective", dict(checkpoint="selective"), None),
+        ("all fused", fused, None),
+        ("all fused + selective checkpoint", {**fused, "checkpoint": "selective"}, None),
+        ("all fused + compile", fused, "default"),
+        ("all fused + compile max-autotune-no-cudagraphs", fused, "max-autotune-no-cudagraphs"),
+        ("all fused + compile reduce-overhead", fused, "reduce-overhead"),
+    ]
 
 
 def build(overrides: dict, args, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    size = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if args.smoke else {}
-    cfg = GPTConfig(vocab_size=args.vocab, **{**dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
-                                              **size, **overrides})
+    size = dict(n_layer=2, n_head=4, n_embd=64, block_size=64) if args.smoke else {}
+    cfg = GPTConfig(vocab_size=args.vocab, **{**MODELS[args.model][0], **size, **overrides})
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
@@ -105,7 +122,7 @@ def measure(name: str, overrides: dict, mode: str | None, args, device) -> dict:
 
 
 def profile_all_fused(args, device) -> str:
-    model, opt = build(FUSED, args, device)
+    model, opt = build(MODELS[args.model][1], args, device)
     T = model.config.block_size
     b = torch.randint(0, args.vocab, (args.batch, T + 1), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -137,6 +154,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=list(MODELS), default="gpt-small")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--warmup", type=int, default=5)
@@ -149,14 +167,14 @@ def main() -> None:
     if args.smoke:
         args.batch, args.vocab, args.warmup, args.steps = 2, 512, 1, 2
     device = torch.device("cpu" if args.smoke else "cuda")
-    variants = [v for v in VARIANTS if not (args.smoke and v[2])]
+    variants = [v for v in variants_of(args.model) if not (args.smoke and v[2])]
     if args.only:
         variants = [v for v in variants if v[0] in args.only.split(",")]
     # eager variants first, the slowest compiles last: a time limit cuts the least
     run_order = sorted(variants, key=lambda v: (v[2] is not None, v[2] == "max-autotune-no-cudagraphs"))
     profile = profile_all_fused(args, device) if args.profile else None
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
-    head = (f"# gpt-small training steps — {device_name}\n\n{datetime.date.today()}, torch {torch.__version__}. "
+    head = (f"# {args.model} training steps — {device_name}\n\n{datetime.date.today()}, torch {torch.__version__}. "
             f"B={args.batch}, T={64 if args.smoke else 1024}, vocab {args.vocab}, bf16 autocast, fused AdamW, "
             f"{args.warmup} warm-up + {args.steps} timed steps on random tokens.\n\n")
     rows = {}

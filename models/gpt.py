@@ -1,9 +1,11 @@
 """A small GPT in the spirit of nanoGPT, whose parts are picked by name from the registries in
-:mod:`models.layers`: pre-LayerNorm blocks, causal self-attention with a fused qkv projection, a GELU MLP,
-learned or rotary positions, tied input/output embeddings and GPT-2's scaled init.
+:mod:`models.layers`: pre-norm blocks (LayerNorm or RMSNorm), causal self-attention with a fused qkv
+projection and optional grouped-query heads, a GELU or SwiGLU MLP, learned or rotary positions, tied
+input/output embeddings and GPT-2's scaled init. ``configs/model/gpt-*.yaml`` are GPT-2 shaped,
+``configs/model/llama-*.yaml`` Llama shaped (RMSNorm, SwiGLU, rotary, GQA, no biases).
 
-Every choice of attention / softmax / loss / quant / checkpoint gives the same parameter names and
-shapes, so a checkpoint trained with one loads into any other.
+A stock choice and its fused twin (attention, softmax, loss, checkpoint, norm, mlp, position) give the same
+parameter names and shapes, so a checkpoint trained with one loads into the other.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.layers import ATTENTION, CHECKPOINT, LOSS, POSITION, QUANT, SOFTMAX
+from models.layers import ATTENTION, CHECKPOINT, LOSS, MLP, NORM, POSITION, QUANT, REGISTRIES, SOFTMAX
 
 
 @dataclass
@@ -24,10 +26,14 @@ class GPTConfig:
     block_size: int = 128
     n_layer: int = 4
     n_head: int = 4
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
     position: str = "learned"
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    mlp_hidden: int | None = None  # None: 4 * n_embd (gelu), 8/3 * n_embd rounded up to 64 (swiglu)
     attention: str = "stock"
     softmax: str = "stock"
     loss: str = "stock"
@@ -37,22 +43,24 @@ class GPTConfig:
     label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        for key, registry in (
-            ("position", POSITION),
-            ("attention", ATTENTION),
-            ("softmax", SOFTMAX),
-            ("loss", LOSS),
-            ("quant", QUANT),
-            ("checkpoint", CHECKPOINT),
-        ):
+        for key, registry in REGISTRIES.items():
             registry.check(getattr(self, key))
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{key} must be a positive int, got {value!r}")
+        value = self.mlp_hidden
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"model.mlp_hidden must be a positive int or null, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
@@ -72,8 +80,9 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
@@ -82,34 +91,24 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, C // self.n_head).transpose(1, 2)
+        q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, heads, T, D) views
         q, k = pos.rotate(q, k)
         y = self.attend(q, k, v, self.dropout if self.training else 0.0, self.softmax)  # (B, H, T, D)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = NORM.get(cfg.norm)(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln_2 = NORM.get(cfg.norm)(cfg)
+        self.mlp = MLP.get(cfg.mlp)(cfg)
 
     def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
-        x = x + self.attn(self.ln_1(x), pos)
-        return x + self.mlp(self.ln_2(x))
+        h, x = self.ln_2(self.attn(self.ln_1(x), pos), residual=x)  # x += attn(...); h = ln_2(x)
+        return x + self.mlp(h)
 
 
 class GPT(nn.Module):
@@ -121,11 +120,11 @@ class GPT(nn.Module):
         self.pos = POSITION.get(cfg.position)(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(wrap(Block(cfg)) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = NORM.get(cfg.norm)(cfg)
         self.loss_fn = LOSS.get(cfg.loss)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
-            if name.endswith("proj.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight", "mlp.down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
         QUANT.get(cfg.quant)(self, cfg.quant_act_bits)
 

@@ -1,5 +1,5 @@
 """Hugging Face transformers causal LMs (Llama, Qwen2/3, Mistral, Gemma, GPT-2) trained by our Lightning module,
-with stock or fused attention and loss: ``python train.py model=hf model.arch=llama model.attention=custom``.
+with stock or fused attention, loss and layers: ``python train.py model=hf model.arch=llama model.attention=custom``.
 
 :class:`HFCausalLM` wraps a ``*ForCausalLM`` built from a config (random weights, no download) behind the
 :class:`models.gpt.GPT` interface (``forward(idx, targets) -> loss``, ``forward(idx) -> logits``, ``generate``,
@@ -21,6 +21,9 @@ The choices, each a registry entry (unknown names fail with the valid ones):
   cast to fp32, also from fp64), ``custom`` ``fl.cross_entropy`` on the logits (16-bit ones cast to fp32),
   ``fused_linear`` ``fl.linear_cross_entropy`` on the final hidden states through ``apply(loss=True)`` (the logits
   are never materialised; fp32 loss for 16-bit models, fp64 for fp64 ones).
+- ``model.layers`` (:data:`HF_LAYERS`): ``stock`` transformers' layers, ``custom`` ``fl.rms_norm`` /
+  ``fl.layer_norm``, ``fl.swiglu`` and ``fl.rotary_embedding`` in place of the architecture's RMSNorm / LayerNorm,
+  SiLU-gated MLP and rotary embedding, through ``apply(norm=True, mlp=True, rotary=True)``.
 - ``model.checkpoint`` (:data:`HF_CHECKPOINT`): ``none``, or ``full`` (transformers' gradient checkpointing of
   every decoder layer, non-reentrant).
 
@@ -48,7 +51,9 @@ ARCH = Registry("model.arch", "Hugging Face transformers architecture (model_typ
 HF_ATTENTION = Registry("model.attention", "attention implementation of an HF model")
 HF_LOSS = Registry("model.loss", "causal-LM loss of an HF model")
 HF_CHECKPOINT = Registry("model.checkpoint", "activation checkpointing of an HF model")
-HF_REGISTRIES = {"arch": ARCH, "attention": HF_ATTENTION, "loss": HF_LOSS, "checkpoint": HF_CHECKPOINT}
+HF_LAYERS = Registry("model.layers", "norms, MLP gate and rotary embedding of an HF model")
+HF_REGISTRIES = {"arch": ARCH, "attention": HF_ATTENTION, "loss": HF_LOSS, "layers": HF_LAYERS,
+                 "checkpoint": HF_CHECKPOINT}
 
 
 # ------------------------------------------------------------------------------------------- architectures
@@ -114,6 +119,11 @@ HF_LOSS.register("custom")(_fl_cross_entropy)
 HF_LOSS.register("fused_linear")(_hf_loss)
 _FUSED_LOSS = {"fused_linear"}
 
+# HF_LAYERS[name]: whether apply(norm=, mlp=, rotary=) swaps in fl.rms_norm / fl.layer_norm, fl.swiglu and
+# fl.rotary_embedding where the architecture has those layers (transformers' own code otherwise)
+HF_LAYERS.register("stock")(False)
+HF_LAYERS.register("custom")(True)
+
 HF_CHECKPOINT.register("none")(lambda hf: None)
 
 
@@ -145,6 +155,7 @@ class HFConfig:
     dropout: float = 0.0
     attention: str = "stock"
     loss: str = "stock"
+    layers: str = "stock"
     checkpoint: str = "none"
     hf_config: dict = field(default_factory=dict)
 
@@ -217,10 +228,11 @@ class HFCausalLM(nn.Module):
         if getattr(self.hf, "loss_type", None) is None:  # GPT-2's class name does not say it; transformers warns
             self.hf.loss_type = "ForCausalLM"
         attention, loss = cfg.attention in _FUSED_ATTENTION, cfg.loss in _FUSED_LOSS
-        if attention or loss:
+        layers = HF_LAYERS.get(cfg.layers)
+        if attention or loss or layers:
             from fusedlayers.integrations import transformers as flt
 
-            flt.apply(self.hf, attention=attention, loss=loss)
+            flt.apply(self.hf, attention=attention, loss=loss, norm=layers, mlp=layers, rotary=layers)
             applied = flt.is_applied(self.hf)
             if applied["attention"] != attention or applied["loss"] != loss:
                 raise ValueError(

@@ -16,7 +16,14 @@ Interfaces (all tensors (B, H, T, D) for attention):
   (``fl.CheckpointedBlock`` keeps the block's parameter names); ``selective`` keeps matmul/attention outputs
   and attention probabilities and recomputes the cheap ops.
 - ``POSITION[name](config) -> nn.Module`` with ``embed(x)`` (add position information to token
-  embeddings (B, T, C)) and ``rotate(q, k)`` (apply it to queries and keys).
+  embeddings (B, T, C)) and ``rotate(q, k)`` (apply it to queries (B, H, T, D) and keys (B, H_kv, T, D)).
+- ``NORM[name](config) -> nn.Module`` with parameters ``weight`` (and ``bias`` for LayerNorm with
+  ``model.bias``) and ``forward(x, residual=None)``; with a residual it returns ``(norm(x + residual),
+  x + residual)``: the pre-norm block's residual add, one kernel in the fused choices.
+- ``MLP[name](config) -> nn.Module``: the block's feed-forward (B, T, C) -> (B, T, C).
+
+Fused choices are named ``fused_<stock twin>`` where the stock twin is not ``stock`` (norm, mlp, position): the
+same parameters and the same math, computed by fusedlayers' kernels.
 """
 
 from __future__ import annotations
@@ -36,8 +43,12 @@ LOSS = Registry("model.loss", "language-model head + cross entropy")
 QUANT = Registry("model.quant", "quantization-aware training of the Linear layers")
 CHECKPOINT = Registry("model.checkpoint", "activation checkpointing")
 POSITION = Registry("model.position", "position information")
+NORM = Registry("model.norm", "the blocks' and the final normalization")
+MLP = Registry("model.mlp", "the blocks' feed-forward")
 
-REGISTRIES = {r.key.split(".", 1)[1]: r for r in (ATTENTION, SOFTMAX, LOSS, QUANT, CHECKPOINT, POSITION)}
+REGISTRIES = {
+    r.key.split(".", 1)[1]: r for r in (ATTENTION, SOFTMAX, LOSS, QUANT, CHECKPOINT, POSITION, NORM, MLP)
+}
 
 
 def _fl():
@@ -71,8 +82,13 @@ SOFTMAX.register("custom")(
 
 
 # ------------------------------------------------------------------------------------------- attention
+# k and v may have fewer heads than q (grouped-query attention): query head h reads key/value head
+# h // (H / H_kv). The stock attention repeats them; SDPA and ours read the shared heads in place.
 @ATTENTION.register("stock")
 def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: Callable) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     probs = softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(q.shape[-1]))
     probs = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
     return probs @ v
@@ -80,12 +96,12 @@ def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: 
 
 ATTENTION.register("sdpa")(
     lambda q, k, v, dropout_p, softmax: F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
     )
 )
 ATTENTION.register("custom")(
     lambda q, k, v, dropout_p, softmax: _fl().scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
     )
 )
 
@@ -134,7 +150,8 @@ class LearnedPositions(nn.Module):
 
 @POSITION.register("rotary")
 class RotaryPositions(nn.Module):
-    """Rotary position embedding (RoPE, half-split layout) on queries and keys; no parameters."""
+    """Rotary position embedding (RoPE) on queries and keys, the rotate-half layout of Llama / transformers'
+    ``apply_rotary_pos_emb``; no parameters."""
 
     def __init__(self, cfg, base: float = 10000.0) -> None:
         super().__init__()
@@ -157,3 +174,94 @@ class RotaryPositions(nn.Module):
 
     def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return self._rot(q), self._rot(k)
+
+
+@POSITION.register("fused_rotary")
+class FusedRotaryPositions(RotaryPositions):
+    """The same rotation by ``fl.rotary_embedding``: q and k in one kernel, forward and backward."""
+
+    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        T = q.shape[-2]
+        cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, D/2): cos/sin of each pair
+        return _fl().rotary_embedding(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+
+
+# ------------------------------------------------------------------------------------------ norm
+NORM_EPS = 1e-5  # nn.LayerNorm's default; Llama's RMSNorm uses 1e-5 (Llama 2/3) or 1e-6 (Llama 1)
+
+
+class _ResidualNorm:
+    """``forward(x, residual=None)`` for torch's norms: the residual add as its own op, then the norm."""
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if residual is None:
+            return super().forward(x)
+        h = x + residual
+        return super().forward(h), h
+
+
+@NORM.register("layernorm")
+class LayerNorm(_ResidualNorm, nn.LayerNorm):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias)
+
+
+@NORM.register("rmsnorm")
+class RMSNorm(_ResidualNorm, nn.RMSNorm):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg.n_embd, eps=NORM_EPS)
+
+
+NORM.register("fused_layernorm")(lambda cfg: _fl().LayerNorm(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias))
+NORM.register("fused_rmsnorm")(lambda cfg: _fl().RMSNorm(cfg.n_embd, eps=NORM_EPS))
+
+
+# ------------------------------------------------------------------------------------------- mlp
+def mlp_hidden_size(cfg) -> int:
+    """``model.mlp_hidden``, or by default 4 * n_embd for GELU and Llama's 8/3 * n_embd rounded up to a multiple
+    of 64 for SwiGLU (its three matrices then hold about the parameters of GELU's two)."""
+    if cfg.mlp_hidden is not None:
+        return cfg.mlp_hidden
+    if cfg.mlp == "gelu":
+        return 4 * cfg.n_embd
+    return -(-8 * cfg.n_embd // (3 * 64)) * 64
+
+
+@MLP.register("gelu")
+class GeluMLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, mlp_hidden_size(cfg), bias=cfg.bias)
+        self.proj = nn.Linear(mlp_hidden_size(cfg), cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+@MLP.register("swiglu")
+class SwiGLUMLP(nn.Module):
+    """Llama's MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with Llama's parameter names."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        hidden = mlp_hidden_size(cfg)
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def gate(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down_proj(self.gate(self.gate_proj(x), self.up_proj(x))))
+
+
+@MLP.register("fused_swiglu")
+class FusedSwiGLUMLP(SwiGLUMLP):
+    """The same MLP with the gating by ``fl.swiglu`` (one kernel forward and backward, nothing saved but the
+    two projections)."""
+
+    def gate(self, gate: Tensor, up: Tensor) -> Tensor:
+        return _fl().swiglu(gate, up)

@@ -71,3 +71,22 @@ def assert_parity(fused: torch.Tensor, stock: torch.Tensor, reference: torch.Ten
     assert fused_err <= 2 * stock_err + floor, (
         f"{what}: fused error {fused_err:.3e} > 2 x stock error {stock_err:.3e} + floor {floor:.0e}"
     )
+
+
+def float64_hf_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Give a float64 transformers model float64 RMSNorms, in place: transformers' Llama and Gemma RMSNorms compute
+    in fp32 whatever their input (``.to(torch.float32)``, ``.float()``), so a float64 stock model is only fp32-exact
+    there; this gives its norms the same formulas in float64 (Llama: ``weight * normalized``, Gemma:
+    ``normalized * (1 + weight)``). Returns ``model``."""
+    from fusedlayers.integrations import transformers as flt
+
+    def normalized(x, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    for m in model.modules():
+        kind = flt._norm_forward(m)
+        if kind is flt._rms_norm_forward:
+            m.forward = lambda x, m=m: m.weight * normalized(x, m.variance_epsilon)
+        elif kind is flt._gemma_rms_norm_forward:
+            m.forward = lambda x, m=m: normalized(x, m.eps) * (1.0 + m.weight)
+    return model

@@ -29,17 +29,17 @@ pytest.importorskip(
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from models.hf import ARCH, HF_ATTENTION, HF_CHECKPOINT, HF_LOSS, HFCausalLM, HFConfig  # noqa: E402
+from models.hf import ARCH, HF_ATTENTION, HF_CHECKPOINT, HF_LAYERS, HF_LOSS, HFCausalLM, HFConfig  # noqa: E402
 from models.lit import GPTLitModule, load_checkpoint  # noqa: E402
 from models.training import train  # noqa: E402
-from tests.parity import assert_parity  # noqa: E402
+from tests.parity import assert_parity, float64_hf_norms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = str(ROOT / "configs")
 ARCHS = ARCH.names()  # llama, qwen2, qwen3, mistral, gemma, gpt2
 SMALL = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96)
 B, T, V = 3, 16, 37
-FUSED = dict(attention="custom", loss="fused_linear")
+FUSED = dict(attention="custom", loss="fused_linear", layers="custom")
 # a tiny model and short epochs (as tests/test_train.py): each run takes seconds
 FAST = [
     "model=hf",
@@ -73,8 +73,10 @@ def make_cfg(out: Path, cache: str, *overrides: str):
 
 
 def _model(arch: str, **choices) -> HFCausalLM:
+    """float64; the stock norms too (tests/parity.py), where ``model.layers`` is stock."""
     torch.manual_seed(0)
-    return HFCausalLM(HFConfig(arch=arch, **SMALL, **choices)).double().train()
+    model = HFCausalLM(HFConfig(arch=arch, **SMALL, **choices)).double().train()
+    return float64_hf_norms(model) if model.config.layers == "stock" else model
 
 
 def _batch(ignore: bool = True):
@@ -100,7 +102,7 @@ def calls(monkeypatch):
     import fusedlayers.functional as flf
     from fusedlayers.integrations import transformers as flt
 
-    counts = {"attention": 0, "linear_cross_entropy": 0, "cross_entropy": 0}
+    counts = {"attention": 0, "linear_cross_entropy": 0, "cross_entropy": 0, "layers": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -112,6 +114,8 @@ def calls(monkeypatch):
     monkeypatch.setattr(flf, "scaled_dot_product_attention", counted("attention", flf.scaled_dot_product_attention))
     monkeypatch.setattr(flf, "linear_cross_entropy", counted("linear_cross_entropy", flf.linear_cross_entropy))
     monkeypatch.setattr(fusedlayers, "cross_entropy", counted("cross_entropy", fusedlayers.cross_entropy))
+    for name in ("rms_norm", "layer_norm", "swiglu", "rotary_embedding"):
+        monkeypatch.setattr(flf, name, counted("layers", getattr(flf, name)))
     flt.fallbacks.clear()
     yield counts
     flt.fallbacks.clear()
@@ -124,7 +128,7 @@ def test_wrapper_loss_is_the_plain_transformers_loss(arch) -> None:
 
     model = _model(arch)
     cfg = model.config.transformers_config()
-    plain = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double().train()
+    plain = float64_hf_norms(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double().train())
     plain.load_state_dict(model.hf.state_dict())  # strict: the same model, the same names
     assert type(plain) is type(model.hf) and type(plain).__name__.endswith(("ForCausalLM", "LMHeadModel"))
     assert cfg.model_type == arch and cfg.vocab_size == V
@@ -167,6 +171,7 @@ def test_sizes_reach_the_transformers_config() -> None:
 PARITY = [  # every choice against all-stock, and fused attention + fused loss together
     *[dict(attention=n) for n in HF_ATTENTION.names() if n != "stock"],
     *[dict(loss=n) for n in HF_LOSS.names() if n != "stock"],
+    *[dict(layers=n) for n in HF_LAYERS.names() if n != "stock"],
     *[dict(checkpoint=n) for n in HF_CHECKPOINT.names() if n != "none"],
     FUSED,
 ]
@@ -233,10 +238,13 @@ def test_choice_matches_stock(arch, choice, calls) -> None:
     assert calls["attention"] == (4 if choice.get("attention") == "custom" else 0)
     assert calls["linear_cross_entropy"] == (choice.get("loss") == "fused_linear")
     assert calls["cross_entropy"] == (choice.get("loss") == "custom")
+    assert (calls["layers"] > 0) == (choice.get("layers") == "custom")
     assert not flt.fallbacks, dict(flt.fallbacks)
+    layers = choice.get("layers") == "custom"
     assert flt.is_applied(other.hf) == {
         "attention": choice.get("attention") == "custom",
         "loss": choice.get("loss") == "fused_linear",
+        "norm": layers, "mlp": layers, "rotary": layers,
     }
 
 

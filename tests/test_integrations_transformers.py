@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.parity import FLOOR, assert_parity
+from tests.parity import FLOOR, assert_parity, float64_hf_norms
 
 try:
     import transformers
@@ -96,6 +96,11 @@ def _reference_loss(model, batch, num_items_in_batch=None):
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
+def _float64_reference(model):
+    """A float64 copy of ``model`` whose RMSNorms compute in float64 too (tests/parity.py)."""
+    return float64_hf_norms(copy.deepcopy(model).double())
+
+
 def _grads(model):
     return {name: p.grad for name, p in model.named_parameters()}
 
@@ -105,8 +110,17 @@ def counters(monkeypatch):
     """Calls of fl.scaled_dot_product_attention / fl.linear_cross_entropy, and the integration's fallbacks."""
     import fusedlayers.functional as flf
 
-    calls = {"attention": [], "loss": 0}
+    calls = {"attention": [], "loss": 0, "rms_norm": 0, "layer_norm": 0, "swiglu": 0, "rotary_embedding": 0}
     attention, loss = flf.scaled_dot_product_attention, flf.linear_cross_entropy
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("rms_norm", "layer_norm", "swiglu", "rotary_embedding"):
+        monkeypatch.setattr(flf, name, counted(name, getattr(flf, name)))
 
     def counted_attention(*args, **kwargs):
         calls["attention"].append(kwargs)
@@ -121,6 +135,9 @@ def counters(monkeypatch):
     flt.fallbacks.clear()
     yield calls
     flt.fallbacks.clear()
+    for name, (stock_rotary, _) in list(flt._rotary_patches.items()):  # models the test left applied
+        sys.modules[name].apply_rotary_pos_emb = stock_rotary
+        del flt._rotary_patches[name]
 
 
 def _head_outputs(model):
@@ -134,7 +151,7 @@ def _check_parity(arch, padding, counters, dtype=torch.float32, **overrides):
     model, _ = _tiny(arch, **overrides)
     model = model.to(dtype)
     stock = copy.deepcopy(model)
-    reference = copy.deepcopy(model).double()
+    reference = _float64_reference(model)
     assert flt.apply(model) is model
     model.train()
     stock.train()
@@ -155,6 +172,13 @@ def _check_parity(arch, padding, counters, dtype=torch.float32, **overrides):
 
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma", "gpt2", "phi"]
+LLAMA_LAYERS = dict(rms_norm=(2, 1), swiglu=(1, 0), rotary_embedding=(1, 0))
+LAYERS = {  # arch -> {fused op: (calls per layer, other calls)} in one forward after apply
+    "llama": LLAMA_LAYERS, "qwen2": LLAMA_LAYERS, "mistral": LLAMA_LAYERS,
+    "gemma": dict(rms_norm=(2, 1), rotary_embedding=(1, 0)),  # (1 + weight) RMSNorm; a GELU gate stays stock
+    "gpt2": dict(layer_norm=(2, 1)),
+    "phi": dict(layer_norm=(1, 1), rotary_embedding=(1, 0)),  # parallel block, partial rotary; a GELU MLP
+}
 
 
 def test_import_fusedlayers_imports_no_framework():
@@ -173,6 +197,8 @@ def test_loss_and_grads_match_stock(arch, padding, counters):
     layers = model.config.num_hidden_layers
     assert len(counters["attention"]) == layers  # every layer ran our attention
     assert not flt.fallbacks, dict(flt.fallbacks)
+    swapped = {name: n for name, n in counters.items() if name not in ("attention", "loss") and n}
+    assert swapped == {name: n * layers + extra for name, (n, extra) in LAYERS[arch].items()}
     if padding == "none" and arch in ("llama", "gemma", "gpt2"):  # no mask: causal through is_causal
         assert all(c["is_causal"] and c["attn_mask"] is None for c in counters["attention"])
     assert loss.dtype == stock_loss.dtype == torch.float32
@@ -190,7 +216,7 @@ def test_loss_and_grads_match_stock(arch, padding, counters):
 def test_float64_tight(arch, padding, counters):
     model, _ = _tiny(arch)
     model = model.double()
-    reference = copy.deepcopy(model)
+    reference = _float64_reference(model)
     flt.apply(model)
     batch = _batch(padding)
     loss = model(**batch).loss
@@ -211,7 +237,7 @@ def test_sliding_window_is_applied(counters):
     full = copy.deepcopy(windowed)
     full.config.sliding_window = None
     windowed = copy.deepcopy(windowed).double()
-    reference = copy.deepcopy(windowed)
+    reference = _float64_reference(windowed)
     flt.apply(windowed)
     batch = _batch("none")
     loss = windowed(**batch).loss
@@ -226,7 +252,7 @@ def test_sliding_window_is_applied(counters):
 def test_logits_without_labels_match_stock(arch, padding, counters):
     model, _ = _tiny(arch, attn_logit_softcapping=None) if arch == "gemma2" else _tiny(arch)
     stock = copy.deepcopy(model)
-    reference = copy.deepcopy(model).double()
+    reference = _float64_reference(model)
     flt.apply(model)
     inputs = {k: v for k, v in _batch(padding).items() if k != "labels"}
     logits = model(**inputs).logits
@@ -255,7 +281,7 @@ def test_generate_matches_stock(arch, counters):
 def test_num_items_in_batch_shift_labels_and_ignore_index(counters):
     model, _ = _tiny("llama")
     model = model.double()
-    stock = copy.deepcopy(model)
+    stock = _float64_reference(model)
     flt.apply(model)
     batch = _batch("right")
     n = torch.tensor(17)
@@ -277,7 +303,7 @@ def test_num_items_in_batch_shift_labels_and_ignore_index(counters):
 def test_return_dict_positional_labels_logits_to_keep_and_return_logits(counters):
     model, _ = _tiny("llama")
     model = model.double()
-    stock = copy.deepcopy(model)
+    stock = _float64_reference(model)
     flt.apply(model)
     batch = _batch("left")
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
@@ -300,7 +326,7 @@ def test_gemma2_softcap_falls_back(padding, counters):
     logits (the stock loss serves): same results as the stock eager model."""
     model, _ = _tiny("gemma2")  # fp32: stock eager Gemma 2 gives NaN for padded rows in fp64 (its fp32 softmax
     stock = copy.deepcopy(model)  # turns the fp64 mask minimum into -inf)
-    flt.apply(model)
+    flt.apply(model, norm=False, mlp=False, rotary=False)  # attention and loss only: bitwise the stock computation
     assert model.config._attn_implementation == "fusedlayers"
     batch = _batch(padding)
     out = model(**batch)
@@ -330,7 +356,7 @@ def test_gemma2_without_softcap_is_fused(counters):
 def test_odd_head_dim_runs_our_attention(counters):
     model, _ = _tiny("llama", hidden_size=48, head_dim=12)  # head dim 12: not a multiple of 8, still ours
     model = model.double()
-    stock = copy.deepcopy(model)
+    stock = _float64_reference(model)
     flt.apply(model)
     batch = _batch("left")
     loss = model(**batch).loss
@@ -409,34 +435,45 @@ def test_logits_postprocessing_is_detected(counters):
 def test_apply_is_idempotent_and_revert_restores_stock(counters):
     import inspect
 
+    from transformers.models.qwen2 import modeling_qwen2
+
+    stock_rotary = modeling_qwen2.apply_rotary_pos_emb
     model, stock_impl = _tiny("qwen2")
     stock = copy.deepcopy(model)
     forward_signature = inspect.signature(model.forward)
     assert flt.apply(model) is model
     forward = model.forward
     assert flt.apply(model) is model and model.forward is forward
-    assert flt.is_applied(model) == {"attention": True, "loss": True}
+    assert flt.is_applied(model) == dict.fromkeys(flt._PARTS, True)
     assert model.config._attn_implementation == model.model.config._attn_implementation == "fusedlayers"
     assert inspect.signature(model.forward) == forward_signature  # generate / Trainer inspect it
     copied = copy.deepcopy(model)  # the copy's forward runs the copy
     assert copied.forward.model is copied
 
     assert flt.revert(model) is model
-    assert flt.is_applied(model) == {"attention": False, "loss": False}
+    assert flt.is_applied(model) == dict.fromkeys(flt._PARTS, False)
     assert model.config._attn_implementation == stock_impl and "forward" not in model.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert modeling_qwen2.apply_rotary_pos_emb is stock_rotary and modeling_qwen2.__name__ not in flt._rotary_patches
     batch = _batch("left")
     out = model(**batch)
-    assert counters["attention"] == [] and counters["loss"] == 0 and out.logits is not None
+    assert out.logits is not None and counters == {**dict.fromkeys(counters, 0), "attention": []}
     torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=0, atol=0)
-    # each part on its own
-    flt.apply(model, attention=False)
-    assert flt.is_applied(model) == {"attention": False, "loss": True}
+    # each part on its own: the loss, then the layers, then attention
+    flt.apply(model, attention=False, norm=False, mlp=False, rotary=False)
+    assert flt.is_applied(model) == {**dict.fromkeys(flt._PARTS, False), "loss": True}
     model(**batch)
-    assert counters["attention"] == [] and counters["loss"] == 1
+    assert counters["attention"] == [] and counters["loss"] == 1 and counters["rms_norm"] == 0
+    layers = model.config.num_hidden_layers
+    for part, name, calls in (("norm", "rms_norm", 2 * layers + 1), ("mlp", "swiglu", layers),
+                              ("rotary", "rotary_embedding", layers)):
+        flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), part: True})
+        model(**batch)
+        assert counters[name] == calls, part
     flt.apply(model, loss=False)
-    flt.revert(model, attention=False)
-    assert flt.is_applied(model) == {"attention": True, "loss": False}
-    assert model(**batch).logits is not None and len(counters["attention"]) == 2 and counters["loss"] == 1
+    flt.revert(model, attention=False, norm=False, mlp=False, rotary=False)
+    assert flt.is_applied(model) == {**dict.fromkeys(flt._PARTS, True), "loss": False}
+    assert model(**batch).logits is not None and len(counters["attention"]) == layers and counters["loss"] == 4
 
 
 @needs_transformers
@@ -452,7 +489,7 @@ def test_composite_model_sub_configs(counters):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = t.LlavaForConditionalGeneration(config).double()
-    stock = copy.deepcopy(model)
+    stock = _float64_reference(model)
     flt.apply(model)
     implementations = {type(c).__name__: c._attn_implementation for c in flt._configs(model)}
     assert implementations == {"LlavaConfig": "fusedlayers", "LlamaConfig": "fusedlayers",
@@ -493,7 +530,7 @@ def test_cuda_matches_stock(arch, dtype, counters):
     model, _ = _tiny(arch)
     model = model.to("cuda", dtype)
     stock = copy.deepcopy(model)
-    reference = copy.deepcopy(model).double()
+    reference = _float64_reference(model)
     flt.apply(model)
     batch = _batch("left", device="cuda")
     out = model(**batch)

@@ -1,5 +1,6 @@
-"""Model level: every layer choice gives the all-stock model's loss and parameter gradients (float64,
-dropout off, same weights and batch), keeps its parameter names/shapes, and stays causal."""
+"""Model level: every layer choice gives its stock twin's loss and parameter gradients (float64, dropout off,
+same weights and batch) in the GPT-2 shaped and the Llama shaped model, keeps its parameter names/shapes, and
+stays causal."""
 
 from __future__ import annotations
 
@@ -12,17 +13,33 @@ import torch
 from models.callbacks import peak_flops
 from models.data import CharTokenizer, RandomWindows, SequentialWindows
 from models.gpt import GPT, GPTConfig
-from models.layers import ATTENTION, CHECKPOINT, LOSS, POSITION, REGISTRIES, SOFTMAX
+from models.layers import ATTENTION, CHECKPOINT, LOSS, REGISTRIES, SOFTMAX
 from models.lit import lr_lambda
 
 STOCK = dict(attention="stock", softmax="stock", loss="stock", quant="none", checkpoint="none")
 SMALL = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)  # head dim 16
-# every registered choice that has a stock twin with the same math (quant changes the math on purpose)
+# Llama shaped: 4 query heads sharing 2 key/value heads, no biases, SwiGLU width 128 (8/3 * 32 rounded up)
+LLAMA = dict(SMALL, n_head=4, n_kv_head=2, bias=False, norm="rmsnorm", mlp="swiglu", position="rotary")
+ARCHS = {"gpt": SMALL, "llama": LLAMA}
+
+
+def stock_twin(key: str, name: str) -> str | None:
+    """The stock choice computing the same math as ``name`` (None: ``name`` is stock itself, or quant, which
+    changes the math on purpose). Fused norm/mlp/position choices are named ``fused_<stock twin>``."""
+    if key == "quant" or name in ("stock", "none"):
+        return None
+    if key in ("attention", "softmax", "loss"):
+        return "stock"
+    if key == "checkpoint":
+        return "none"
+    return name.removeprefix("fused_") if name.startswith("fused_") else None
+
+
 PARITY = [
-    (key, name)
-    for key in ("attention", "softmax", "loss", "checkpoint")
-    for name in REGISTRIES[key].names()
-    if name != STOCK[key]
+    (key, name, stock_twin(key, name))
+    for key, registry in REGISTRIES.items()
+    for name in registry.names()
+    if stock_twin(key, name) is not None
 ]
 
 
@@ -42,12 +59,35 @@ def _loss_and_grads(model: GPT, idx, targets):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("position", POSITION.names())
-@pytest.mark.parametrize(("key", "name"), PARITY, ids=[f"{k}={n}" for k, n in PARITY])
-def test_choice_matches_stock(key: str, name: str, position: str) -> None:
+def test_every_fused_choice_has_a_stock_twin() -> None:
+    for key in ("norm", "mlp", "position"):
+        for name in REGISTRIES[key].names():
+            assert not name.startswith("fused_") or name.removeprefix("fused_") in REGISTRIES[key], name
+    assert {k for k, _, _ in PARITY} == {"attention", "softmax", "loss", "checkpoint", "norm", "mlp", "position"}
+
+
+def _parity_cases():
+    for arch, base in ARCHS.items():
+        for key, name, twin in PARITY:
+            if key in ("attention", "softmax", "loss", "checkpoint"):
+                positions = ["learned", "rotary"] if arch == "gpt" else [base["position"]]
+                yield from ((arch, key, name, twin, {"position": p}) for p in positions)
+            else:  # norm / mlp / position: the stock twin's own model, in both shapes
+                yield arch, key, name, twin, {}
+
+
+CASES = list(_parity_cases())
+
+
+@pytest.mark.parametrize(
+    ("arch", "key", "name", "twin", "extra"), CASES,
+    ids=[f"{a}-{k}={n}" + "".join(f"-{v}" for v in e.values()) for a, k, n, _, e in CASES],
+)
+def test_choice_matches_stock(arch: str, key: str, name: str, twin: str, extra: dict) -> None:
+    base = {**ARCHS[arch], **STOCK, **extra}
     torch.manual_seed(0)
-    stock = GPT(GPTConfig(**SMALL, **STOCK, position=position)).double()
-    other = GPT(GPTConfig(**SMALL, **{**STOCK, key: name}, position=position)).double()
+    stock = GPT(GPTConfig(**{**base, key: twin})).double()
+    other = GPT(GPTConfig(**{**base, key: name})).double()
     other.load_state_dict(stock.state_dict())  # strict: same parameter names and shapes
     assert [(n, p.shape) for n, p in other.named_parameters()] == [
         (n, p.shape) for n, p in stock.named_parameters()
@@ -148,7 +188,7 @@ def test_every_choice_combination_has_the_same_parameters() -> None:
                 names = shapes
 
 
-@pytest.mark.parametrize("key", ["attention", "softmax", "loss", "quant", "checkpoint", "position"])
+@pytest.mark.parametrize("key", list(REGISTRIES))
 def test_unknown_choice_lists_valid_names(key: str) -> None:
     valid = ", ".join(REGISTRIES[key].names())
     with pytest.raises(ValueError, match=f"unknown model.{key}='nope'; valid names: {valid}$"):
@@ -170,6 +210,52 @@ def test_rotary_has_no_position_parameters_and_learned_has_them() -> None:
     assert learned - rotary == {"pos.wpe.weight"}
 
 
+def test_rotary_is_transformers_rotate_half() -> None:
+    """Our rotary choice rotates as Llama's ``apply_rotary_pos_emb`` with cos/sin of ``cat(freqs, freqs)``."""
+    model = GPT(GPTConfig(**LLAMA)).double()
+    q, k = torch.randn(2, 4, 16, 8, dtype=torch.float64), torch.randn(2, 2, 16, 8, dtype=torch.float64)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = torch.outer(torch.arange(16, dtype=torch.float64), inv_freq).repeat(1, 2)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., 4:], x[..., :4]), -1)
+
+    expected = [x * angles.cos() + rotate_half(x) * angles.sin() for x in (q, k)]
+    for got, want in zip(model.pos.rotate(q, k), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the stored cos/sin are float32
+
+
+def test_llama_shape() -> None:
+    """GQA projects n_head + 2 n_kv_head heads; SwiGLU has Llama's names and default width; RMSNorm has no bias."""
+    model = GPT(GPTConfig(**LLAMA))
+    block = model.blocks[0]
+    assert block.attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32) and block.attn.qkv.bias is None
+    assert [n for n, _ in block.mlp.named_parameters()] == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    assert block.mlp.gate_proj.weight.shape == (128, 32)  # 8/3 * 32 = 85.3, rounded up to a multiple of 64
+    assert isinstance(block.ln_1, torch.nn.RMSNorm) and isinstance(model.ln_f, torch.nn.RMSNorm)
+    assert GPT(GPTConfig(**{**LLAMA, "mlp_hidden": 40})).blocks[0].mlp.up_proj.weight.shape == (40, 32)
+    with pytest.raises(ValueError, match=r"model.n_head \(4\) must be a multiple of model.n_kv_head \(3\)"):
+        GPTConfig(**{**LLAMA, "n_kv_head": 3})
+    with pytest.raises(ValueError, match="model.mlp_hidden must be a positive int or null"):
+        GPTConfig(**{**LLAMA, "mlp_hidden": 0})
+
+
+@pytest.mark.parametrize("attention", ATTENTION.names())
+def test_grouped_query_attention_is_repeated_heads(attention: str) -> None:
+    """GQA equals multi-head attention whose key/value projection repeats each kv head's rows."""
+    torch.manual_seed(0)
+    gqa = GPT(GPTConfig(**{**LLAMA, "attention": attention})).double()
+    mha = GPT(GPTConfig(**{**LLAMA, "n_kv_head": 4})).double()
+    state = gqa.state_dict()
+    for name in [n for n in state if n.endswith("attn.qkv.weight")]:
+        q, k, v = state[name].split((32, 16, 16))
+        state[name] = torch.cat((q, k.view(2, 8, 32).repeat_interleave(2, 0).view(32, 32),
+                                 v.view(2, 8, 32).repeat_interleave(2, 0).view(32, 32)))
+    mha.load_state_dict(state)
+    idx, targets = _batch()
+    torch.testing.assert_close(gqa(idx, targets), mha(idx, targets), rtol=1e-10, atol=1e-12)
+
+
 def test_tied_embeddings_and_scaled_init() -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(**{**SMALL, "n_layer": 8, "n_embd": 64})
@@ -178,6 +264,10 @@ def test_tied_embeddings_and_scaled_init() -> None:
     std = m.blocks[0].attn.proj.weight.std().item()
     assert abs(std - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.002
     assert abs(m.blocks[0].mlp.fc.weight.std().item() - 0.02) < 0.002
+    llama = GPT(GPTConfig(**{**LLAMA, "n_layer": 8, "n_embd": 64}))
+    mlp = llama.blocks[0].mlp
+    assert abs(mlp.down_proj.weight.std().item() - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.002
+    assert abs(mlp.gate_proj.weight.std().item() - 0.02) < 0.002 and abs(mlp.up_proj.weight.std().item() - 0.02) < 0.002
 
 
 def test_generate_is_seeded_and_leaves_global_rng_alone() -> None:

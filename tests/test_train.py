@@ -44,6 +44,9 @@ FAST = [
 ]
 CHOICES = [[f"model.{k}={n}"] for k, r in REGISTRIES.items() for n in r.names()]
 CHOICES.append(["model.quant=int8", "model.quant_act_bits=8"])  # with activation fake-quant
+LLAMA_FUSED = ["model.norm=fused_rmsnorm", "model.mlp=fused_swiglu", "model.position=fused_rotary",
+               "model.attention=custom", "model.loss=fused_linear"]
+CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED]]
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +160,19 @@ def test_resume_is_exact_and_seeded_runs_repeat(tmp_path, cache_dir) -> None:
     assert again["val_history"] == full["val_history"]
     other = train(make_cfg(tmp_path / "other", cache_dir, *common, "seed=7"))
     assert other["val_history"] != full["val_history"]
+
+
+def test_stock_checkpoint_resumes_with_fused_layers(tmp_path, cache_dir) -> None:
+    """Stock and fused choices share parameter names: a llama-tiny run with stock layers resumes with every part
+    fused (optimizer state included) and ends where the stock run ends, up to fp32 rounding."""
+    common = ["model=llama-tiny", "trainer.max_steps=6", "callbacks.model_checkpoint.save_top_k=-1"]
+    stock = train(make_cfg(tmp_path / "stock", cache_dir, *common))
+    ckpt = sorted((tmp_path / "stock" / "checkpoints").glob("step000003-*.ckpt"))
+    assert stock["steps"] == 6 and len(ckpt) == 1
+    fused = train(make_cfg(tmp_path / "fused", cache_dir, *common, *LLAMA_FUSED, f"ckpt_path={ckpt[0]}"))
+    assert fused["steps"] == 6
+    (_, want), (_, got) = stock["val_history"][-1], fused["val_history"][-1]
+    assert abs(got - want) < 1e-4 * want, (got, want)
 
 
 class _Records(logging.Handler):

@@ -61,18 +61,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 import logging
 import sys
+import types
 import warnings
+import weakref
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.gemma import modeling_gemma as _gemma
+from transformers.models.llama import modeling_llama as _llama
 from transformers.utils import ModelOutput
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
@@ -413,13 +419,191 @@ def _revert_loss(model: PreTrainedModel, state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# layers: RMSNorm / LayerNorm, the SwiGLU MLP, the rotary embedding
+#
+# A model's layer is swapped only where its code is Llama's (compared as bytecode, so the many "Copied from Llama"
+# classes qualify and a variant such as Gemma's (1 + weight) RMSNorm does not) and its configuration is what our op
+# computes (a SiLU gate). Norms and MLPs get an instance-level forward; parameters and their names are untouched.
+
+
+def _same_code(fn, reference) -> bool:
+    """Do two functions run the same bytecode (docstrings aside)?"""
+    a, b = getattr(fn, "__code__", None), reference.__code__
+
+    def key(code):
+        consts = tuple(c.co_code if isinstance(c, types.CodeType) else c
+                       for c in code.co_consts if not isinstance(c, str))
+        return code.co_code, code.co_names, consts
+
+    return a is not None and key(a) == key(b)
+
+
+def _rms_norm_forward(self, hidden_states):
+    # Llama: weight * normalized.to(input dtype), i.e. the weight's and the input's promoted dtype out
+    out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
+    y = _fl.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+    return y.to(out_dtype)
+
+
+def _gemma_rms_norm_forward(self, x):
+    # Gemma: (normalized * (1 + weight)) in fp32, rounded once to x's dtype: one rounding, as ours
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _fl.rms_norm(x, self.weight.shape, 1.0 + self.weight.to(compute), self.eps)
+
+
+def _layer_norm_forward(self, input):
+    return _fl.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def _swiglu_mlp_forward(self, x):
+    return self.down_proj(_fl.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _norm_forward(module: nn.Module):
+    if type(module) is nn.LayerNorm and module.elementwise_affine:
+        return _layer_norm_forward
+    if (isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "variance_epsilon")
+            and _same_code(type(module).forward, _llama.LlamaRMSNorm.forward)):
+        return _rms_norm_forward
+    if (isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "eps")
+            and _same_code(type(module).forward, _gemma.GemmaRMSNorm.forward)
+            and _same_code(getattr(type(module), "_norm", None), _gemma.GemmaRMSNorm._norm)):
+        return _gemma_rms_norm_forward
+    return None
+
+
+def _mlp_forward(module: nn.Module):
+    if (_same_code(type(module).forward, _llama.LlamaMLP.forward)
+            and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU))):
+        return _swiglu_mlp_forward
+    return None
+
+
+def _apply_module_forwards(model: PreTrainedModel, state: dict, what: str, choose) -> None:
+    if what in state:
+        return
+    swapped = []
+    for module in model.modules():
+        forward = choose(module)
+        if forward is not None and "forward" not in module.__dict__:  # not already replaced (by us or anyone)
+            module.forward = types.MethodType(forward, module)
+            swapped.append(module)
+    state[what] = swapped
+
+
+def _revert_module_forwards(state: dict, what: str) -> None:
+    for module in state.pop(what, ()):
+        module.__dict__.pop("forward", None)
+
+
+# The rotary function is a global of the modeling module that the attention classes call; ours replaces it in that
+# module (while an applied model of that architecture is not reverted) and computes only inside the forward of an
+# applied model's attention modules (flagged by forward hooks, which also run in a checkpointed layer's recompute):
+# other models of the same architecture keep transformers' function.
+_rotary_on: contextvars.ContextVar[bool] = contextvars.ContextVar("fusedlayers_rotary", default=False)
+#: modeling module's name -> (its own apply_rotary_pos_emb, the applied models using ours there)
+_rotary_patches: dict[str, tuple] = {}
+
+
+def _fused_rotary(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _rotary_on.get():
+            return original(q, k, cos, sin, *args, **kwargs)
+        if args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1:
+            reason = "rotary_layout", "apply_rotary_pos_emb called with arguments other than unsqueeze_dim=1"
+        else:
+            reason = _rotary_fallback_reason(q, k, cos, sin)
+        if reason is not None:
+            _fallback(*reason)
+            return original(q, k, cos, sin, *args, **kwargs)
+        return _fl.rotary_embedding(q, k, cos, sin)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _rotary_fallback_reason(q, k, cos, sin) -> tuple[str, str] | None:
+    tensors = (q, k, cos, sin)
+    if not all(isinstance(t, torch.Tensor) and t.dtype in _DTYPES for t in tensors):
+        return "rotary_dtype", "rotary embedding of non-floating tensors"
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return "rotary_layout", "rotary embedding of tensors not laid out as (B, H, T, D) with cos/sin (B, T, D)"
+    B, _, T, D = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (B, T, D) or cos.shape[0] not in (1, B) or cos.shape[1:] != (T, D):
+        return "rotary_layout", "rotary embedding with cos/sin that broadcast other than over heads"
+    if D % 2 or q.dtype != k.dtype or cos.dtype != sin.dtype or len({t.device for t in tensors}) > 1:
+        return "rotary_layout", "rotary embedding of an odd head dim, mixed q/k dtypes or devices"
+    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
+        return "rotary_grad", "rotary embedding whose cos/sin require grad"
+    return None
+
+
+def _stock_llama_rotary():
+    """transformers' Llama apply_rotary_pos_emb, the one our patch may have replaced."""
+    return _rotary_patches.get(_llama.__name__, (_llama.apply_rotary_pos_emb,))[0]
+
+
+def _flag_rotary(module: nn.Module) -> list:
+    """Forward hooks that switch our rotary function on while ``module`` runs."""
+    tokens = []
+
+    def enter(mod, args):
+        tokens.append(_rotary_on.set(True))
+
+    def leave(mod, args, output):
+        _rotary_on.reset(tokens.pop())
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+
+def _apply_rotary(model: PreTrainedModel, state: dict) -> None:
+    if "rotary" in state:
+        return
+    names, hooks = [], []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        current = getattr(module, "apply_rotary_pos_emb", None)
+        if name not in _rotary_patches:
+            if current is None or not _same_code(current, _stock_llama_rotary()):
+                continue
+            _rotary_patches[name] = (current, weakref.WeakSet())
+            module.apply_rotary_pos_emb = _fused_rotary(current)
+        _rotary_patches[name][1].add(model)
+        names.append(name)
+    for m in model.modules():  # the modules whose own code calls the rotary function: the attention layers
+        code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+        if type(m).__module__ in names and code is not None and "apply_rotary_pos_emb" in code.co_names:
+            hooks += _flag_rotary(m)
+    state["rotary"] = names, hooks
+
+
+def _revert_rotary(model: PreTrainedModel, state: dict) -> None:
+    names, hooks = state.pop("rotary", ((), ()))
+    for hook in hooks:
+        hook.remove()
+    for name in names:
+        entry = _rotary_patches.get(name)
+        if entry is None:
+            continue
+        entry[1].discard(model)
+        if not entry[1]:
+            sys.modules[name].apply_rotary_pos_emb = entry[0]
+            del _rotary_patches[name]
+
+
+# --------------------------------------------------------------------------------------------------------------
 # public API
 
 
-def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True) -> PreTrainedModel:
-    """Make ``model`` use fused attention (``attention``) and the fused causal-LM loss (``loss``), in place; returns
-    the same model. Idempotent; enables what is asked and leaves the rest as it is (:func:`revert` undoes).
-    See the module docstring for what each does and when it falls back to stock."""
+_PARTS = ("attention", "loss", "norm", "mlp", "rotary")
+
+
+def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
+          rotary: bool = True) -> PreTrainedModel:
+    """Make ``model`` use fused attention (``attention``), the fused causal-LM loss (``loss``), fused RMSNorm /
+    LayerNorm (``norm``), the fused SwiGLU gate (``mlp``) and the fused rotary embedding (``rotary``), in place;
+    returns the same model. Idempotent; enables what is asked and leaves the rest as it is (:func:`revert`
+    undoes). See the module docstring for what each does and when it falls back to stock."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     state = model.__dict__.setdefault(_STATE, {})
@@ -427,12 +611,20 @@ def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True) -> 
         _apply_attention(model, state)
     if loss:
         _apply_loss(model, state)
+    if norm:
+        _apply_module_forwards(model, state, "norm", _norm_forward)
+    if mlp:
+        _apply_module_forwards(model, state, "mlp", _mlp_forward)
+    if rotary:
+        _apply_rotary(model, state)
     return model
 
 
-def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True) -> PreTrainedModel:
-    """Undo :func:`apply` (what is asked of it): the attention implementations the model and its sub-models had, and
-    the stock forward. Returns the same model; a model never applied is returned unchanged."""
+def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
+           rotary: bool = True) -> PreTrainedModel:
+    """Undo :func:`apply` (what is asked of it): the attention implementations the model and its sub-models had, the
+    stock forwards, transformers' own rotary function. Returns the same model; a model never applied is returned
+    unchanged."""
     state = model.__dict__.get(_STATE)
     if state is None:
         return model
@@ -440,12 +632,18 @@ def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True) ->
         _revert_attention(state)
     if loss:
         _revert_loss(model, state)
+    for what, asked in (("norm", norm), ("mlp", mlp)):
+        if asked:
+            _revert_module_forwards(state, what)
+    if rotary:
+        _revert_rotary(model, state)
     if not state:
         del model.__dict__[_STATE]
     return model
 
 
 def is_applied(model: PreTrainedModel) -> dict[str, bool]:
-    """{"attention": ..., "loss": ...}: what :func:`apply` currently has in place on ``model``."""
+    """{"attention": ..., "loss": ..., "norm": ..., "mlp": ..., "rotary": ...}: what :func:`apply` currently has in
+    place on ``model`` (a layer kind counts as applied even where the model has no layer of that kind)."""
     state = model.__dict__.get(_STATE, {})
-    return {"attention": "attention" in state, "loss": "loss" in state}
+    return {part: part in state for part in _PARTS}
