@@ -2,8 +2,9 @@
 
 gpt-small (12 layers, 12 heads, 768 wide, T=1024, vocabulary 50304) or llama-small (the same sizes with RMSNorm,
 SwiGLU width 2048, rotary positions and 4 key/value heads: configs/model/llama-small.yaml), bf16 autocast, fused
-AdamW, random token batches. Per variant: tokens/s, MFU (6N + 12LHQT FLOPs/token over the device's dense bf16 peak), peak memory
-and time per step, timed with CUDA events after warm-up (compiled variants: no recompiles allowed while timed).
+AdamW, random token batches. Per variant: tokens/s, MFU (6N + 12LHQT FLOPs/token over the device's dense bf16
+peak), peak memory and time per step, timed with CUDA events after warm-up (compiled variants: no recompiles allowed
+while timed).
 
     python benchmarks/bench_model.py --out benchmarks/results/h200-model.md [--profile] [--batch 64]
     python benchmarks/bench_model.py --model llama-small --out benchmarks/results/h200-model-llama.md

@@ -155,12 +155,11 @@ def table(rows: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- --tune
 
-# Swept per hidden size: forward (rows per program, warps); backward (rows per step, warps, programs per SM, pipeline
-# depth), each with 4 to 64 elements per thread. The kernels alone on bf16 (x, weight; the backward with dx, dw and
-# db for LayerNorm).
-TUNE_FORWARD = [(m, w) for m in (1, 2, 4) for w in (4, 8, 16, 32)]
+# Swept per hidden size, the backward only (the forward's first choices already run at copy bandwidth): rows per step,
+# warps, programs per SM, pipeline depth, each with 4 to 64 elements per thread. The kernel alone on bf16 (x, weight,
+# dx, dw, and db for LayerNorm). Programs per SM is a launch parameter: configs that differ only there share a compile.
 TUNE_BACKWARD = ([(1, w, p, s) for w in (8, 16, 32) for p in (1, 2, 4) for s in (2, 3)]
-                 + [(1, w, 1, 1) for w in (8, 16, 32)] + [(2, 16, 2, 2), (2, 32, 1, 2)])
+                 + [(1, w, 1, 1) for w in (8, 16, 32)] + [(2, 16, 2, 2), (2, 32, 1, 2), (4, 32, 1, 2)])
 
 
 def _per_thread(block_m: int, warps: int, hidden: int) -> int:
@@ -168,9 +167,9 @@ def _per_thread(block_m: int, warps: int, hidden: int) -> int:
 
 
 def tune(copy_bw: float, rms: bool) -> list[str]:
-    """Sweep kernel configs per hidden size; prints the fraction of copy bandwidth of the kernels alone (forward 2
-    tensors, backward 3), and keeps the best of each in FWD_CONFIGS / BWD_CONFIGS for the rest of the run. Returns
-    those entries, as lines to paste into fusedlayers/kernels/_norm.py."""
+    """Sweep backward kernel configs per hidden size; prints the fraction of copy bandwidth of the kernel alone (3
+    tensors), and keeps the best in BWD_CONFIGS for the rest of the run. Returns those entries, as lines to paste into
+    fusedlayers/kernels/_norm.py."""
     chosen = []
     op = "rms" if rms else "layer"
     for hidden in COLS:
@@ -180,21 +179,7 @@ def tune(copy_bw: float, rms: bool) -> list[str]:
         g = torch.randn_like(x)
         _, _, stats = kernels.norm_forward(x, hidden, w, b, None, EPS, x.dtype, rms)
         results = []
-        for block_m, warps in TUNE_FORWARD:
-            if not 4 <= _per_thread(block_m, warps, hidden) <= 64:
-                continue
-            kernels.FWD_CONFIGS[(op, hidden)] = kernels.FwdConfig(block_m, warps)
-            kernels.forget_plans()
-            try:
-                ms = median_ms(lambda: kernels.norm_forward(x, hidden, w, b, None, EPS, x.dtype, rms))
-                frac = 2 * TENSOR_BYTES / (ms * 1e-3) / copy_bw
-                results.append((frac, "FWD", kernels.FwdConfig(block_m, warps)))
-                print(f"tune {op} hidden={hidden} fwd block_m={block_m} warps={warps}: {frac:.3f}", flush=True)
-            except Exception as e:  # e.g. out of resources
-                print(f"tune {op} hidden={hidden} fwd block_m={block_m} warps={warps}: {type(e).__name__}")
-        kernels.FWD_CONFIGS.pop((op, hidden), None)
-        kernels.forget_plans()
-        for config in TUNE_BACKWARD:
+        for config in [tuple(kernels.backward_config(hidden, rms)), *TUNE_BACKWARD]:
             if not 4 <= _per_thread(config[0], config[1], hidden) <= 64:
                 continue
             kernels.BWD_CONFIGS[(op, hidden)] = kernels.BwdConfig(*config)
@@ -203,17 +188,16 @@ def tune(copy_bw: float, rms: bool) -> list[str]:
                 ms = median_ms(lambda: kernels.norm_backward(g, x, hidden, w, stats, None, x.dtype, True, True,
                                                              not rms, rms, bias_dtype=w.dtype))
                 frac = 3 * TENSOR_BYTES / (ms * 1e-3) / copy_bw
-                results.append((frac, "BWD", kernels.BwdConfig(*config)))
+                results.append((frac, kernels.BwdConfig(*config)))
                 print(f"tune {op} hidden={hidden} bwd {kernels.BwdConfig(*config)}: {frac:.3f}", flush=True)
-            except Exception as e:
+            except Exception as e:  # e.g. out of resources
                 print(f"tune {op} hidden={hidden} bwd {kernels.BwdConfig(*config)}: {type(e).__name__}")
         kernels.BWD_CONFIGS.pop((op, hidden), None)
-        for kind in ("FWD", "BWD"):
-            best = max((r for r in results if r[1] == kind), default=None, key=lambda r: r[0])
-            if best is not None:
-                getattr(kernels, f"{kind}_CONFIGS")[(op, hidden)] = best[2]
-                chosen.append(f"{kind}_CONFIGS[({op!r}, {hidden})] = {best[2]!r}  # kernel alone {best[0]:.3f} of copy")
-                print("best", chosen[-1], flush=True)
+        if results:
+            frac, best = max(results, key=lambda r: r[0])
+            kernels.BWD_CONFIGS[(op, hidden)] = best
+            chosen.append(f"BWD_CONFIGS[({op!r}, {hidden})] = {best!r}  # kernel alone {frac:.3f} of copy")
+            print("best", chosen[-1], f"(first choice {results[0][0]:.3f})", flush=True)
         kernels.forget_plans()
     return chosen
 
@@ -223,7 +207,7 @@ def main(op: str = "rms_norm", make_peers=rms_norm_peers, param_names=("weight",
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write the Markdown table here")
     parser.add_argument("--tune", action="store_true",
-                        help="first sweep kernel configs; the best of each run the table (and are printed)")
+                        help="first sweep backward kernel configs; the best run the table (and are printed)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (each row: its best)")
     args = parser.parse_args()
     torch.manual_seed(0)
