@@ -461,6 +461,21 @@ def test_default_chunk_size(monkeypatch):
     assert rows == 2048
 
 
+def test_chunk_cap_when_the_accumulator_is_the_gradient(monkeypatch):
+    """The logits buffer is capped at the weight's size in the compute dtype exactly when grad_weight accumulates in
+    the weight's own dtype: bf16 weights with bf16 accumulation, and fp32 master weights under bf16 autocast (the
+    compute-dtype copy's size, half the fp32 gradient's); no cap for the fp32 accumulator of bf16 weights."""
+    caps = []
+    monkeypatch.setattr(lce_ops, "default_chunk_size", lambda *args: caps.append(args[-1]) or 1)
+    monkeypatch.setattr(lce_ops, "matmul_dtype", lambda dtype, device: dtype)  # as on CUDA
+    x = torch.empty(8, 16, device="meta")
+    for weight_dtype, compute, acc in ((torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                                       (torch.float32, torch.bfloat16, torch.float32),
+                                       (torch.bfloat16, torch.bfloat16, torch.float32)):
+        lce_ops._chunk_for(0, x, torch.empty(100, 16, dtype=weight_dtype, device="meta"), compute, acc)
+    assert caps == [100 * 16 * 2, 100 * 16 * 2, None]
+
+
 # ----------------------------------------------------------------------------- Triton kernels (interpreter on CPU)
 
 

@@ -57,8 +57,8 @@ except ImportError:  # no Triton: the reference runs everywhere
     ce_kernels = kernels = None
 
 # Budget for the (chunk_size, V) logits buffer: a fraction of the free GPU memory, at most MAX_CHUNK_BYTES; when
-# grad_weight is accumulated in its own dtype (the accumulator is the gradient), at most that gradient's size
-# (but never less than MIN_CAP_BYTES).
+# grad_weight is accumulated in its own dtype (the accumulator is the gradient), at most the weight's size in the
+# compute dtype (but never less than MIN_CAP_BYTES).
 MAX_CHUNK_BYTES = 2**30
 CPU_CHUNK_BYTES = 64 * 2**20
 FREE_MEMORY_FRACTION = 8
@@ -118,8 +118,12 @@ def _chunk_for(chunk_size: int, input: Tensor, linear_weight: Tensor, compute_dt
                accumulation_dtype: torch.dtype) -> int:
     if chunk_size > 0:
         return chunk_size
-    # the accumulator is the gradient itself: keep the logits buffer within the gradient's size
-    cap = linear_weight.numel() * accumulation_dtype.itemsize if accumulation_dtype == linear_weight.dtype else None
+    # the accumulator is the gradient itself (the memory-saving modes: bf16 accumulation, or fp32 master weights
+    # under autocast): keep the logits buffer within the weight's size in the compute dtype (the weight itself, or
+    # the copy autocast makes), so the op's peak stays gradient + at most two weight-sized tensors
+    cap = None
+    if accumulation_dtype == linear_weight.dtype:
+        cap = linear_weight.numel() * matmul_dtype(compute_dtype, input.device).itemsize
     return default_chunk_size(input.shape[0], linear_weight.shape[0], matmul_dtype(compute_dtype, input.device),
                               input.device, cap)
 
