@@ -6,10 +6,12 @@
 2. Hugging Face transformers (``fusedlayers.integrations.transformers.apply``): a Llama-style ``LlamaForCausalLM``
    built from a config (no download; ~0.9B parameters, GQA, vocabulary 128256), bf16, one training step
    (forward + backward with labels) with ``attn_implementation="sdpa"`` and the stock loss, against the same
-   model after ``apply`` (our attention and the linear+cross-entropy loss): tokens/s and peak memory
-   (targets: 1.2x the tokens/s, at most 0.6x the peak).
+   model after ``apply`` (our attention and the linear+cross-entropy loss; then also RMSNorm, SwiGLU and rotary):
+   tokens/s and peak memory (targets: 1.2x the tokens/s, at most 0.6x the peak). ``--thunder``: the same model under
+   ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours).
 
     python benchmarks/bench_integrations.py [--out benchmarks/results/h100-integrations.md] [--only sdpa|hf]
+                                            [--thunder]
 """
 
 from __future__ import annotations
@@ -106,21 +108,42 @@ def measure_step(model, ids) -> tuple[float, float, float]:
     return ms, peak, loss
 
 
-def hf_rows(batch: int, seq: int, layers: int):
+def _thunder_jit(model, with_ours: bool):
+    import thunder
+
+    from fusedlayers.integrations.thunder import fl_executor
+
+    executors = [fl_executor, *thunder.get_default_executors()] if with_ours else thunder.get_default_executors()
+    return thunder.jit(model, executors=executors)
+
+
+def hf_rows(batch: int, seq: int, layers: int, thunder: bool):
     from fusedlayers.integrations import transformers as flt
 
     vocab = 128256
     stock = llama(vocab, layers)
     n_params = sum(p.numel() for p in stock.parameters()) / 1e9
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    variants = {  # name -> a function of a copy of the stock model
+        "fl apply (attention + linear CE)": lambda m: flt.apply(m, norm=False, mlp=False, rotary=False),
+        "fl apply (all: + RMSNorm, SwiGLU, rotary)": flt.apply,
+    }
+    if thunder:
+        variants["thunder.jit (default executors)"] = lambda m: _thunder_jit(m, False)
+        variants["thunder.jit + fl_executor"] = lambda m: _thunder_jit(m, True)
     results = {"stock (sdpa, HF loss)": measure_step(stock, ids)}
-    fused = flt.apply(copy.deepcopy(stock).to("cuda"))
-    del stock
-    torch.cuda.empty_cache()
-    results["fl apply (attention + linear CE)"] = measure_step(fused, ids)
+    for name, make in variants.items():
+        torch.cuda.empty_cache()
+        try:
+            results[name] = measure_step(make(copy.deepcopy(stock)), ids)
+        except Exception as e:  # one failing variant must not lose the others' numbers
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            results[name] = None
+        print(name, results[name], flush=True)
     base_ms, base_peak, base_loss = results["stock (sdpa, HF loss)"]
-    rows = [f"| {name} | {batch * seq / ms * 1e3:,.0f} | {ms:.1f} | {peak:.2f} | {base_ms / ms:.2f}x | "
-            f"{peak / base_peak:.2f}x | {loss:.4f} |" for name, (ms, peak, loss) in results.items()]
+    rows = [f"| {name} | {batch * seq / r[0] * 1e3:,.0f} | {r[0]:.1f} | {r[1]:.2f} | {base_ms / r[0]:.2f}x | "
+            f"{r[1] / base_peak:.2f}x | {r[2]:.4f} |" if r else f"| {name} | failed | | | | | |"
+            for name, r in results.items()]
     head = ("| model | tokens/s | ms/step | peak GB (beyond weights) | speed vs stock | memory vs stock | loss |\n"
             "| --- | --- | --- | --- | --- | --- | --- |")
     title = (f"## Hugging Face LlamaForCausalLM ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
@@ -135,6 +158,8 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--thunder", action="store_true", help="also the model under thunder.jit, with and without "
+                        "our executor (needs lightning-thunder)")
     args = parser.parse_args()
     sections = [f"# Integrations benchmark\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, "
                 f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}; "
@@ -142,7 +167,7 @@ def main():
     if args.only in (None, "sdpa"):
         sections.append(sdpa_rows())
     if args.only in (None, "hf"):
-        sections.append(hf_rows(args.batch, args.seq, args.layers))
+        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder))
     report("\n\n".join(sections) + "\n", args.out)
 
 
