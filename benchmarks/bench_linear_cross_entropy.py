@@ -211,7 +211,7 @@ def main() -> None:
     cuda = torch.device("cuda")
     default_fp32 = lce_ops.default_chunk_size(N, V, BF16, cuda)
     default_narrow = lce_ops.default_chunk_size(N, V, BF16, cuda, V * H * 2)
-    default_master = lce_ops.default_chunk_size(N, V, BF16, cuda, V * H * 4)
+    default_master = lce_ops.default_chunk_size(N, V, BF16, cuda, V * H * 2)  # capped at the bf16 weight copy
     text = (
         f"# linear_cross_entropy -- {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton "
         f"{triton.__version__}, python {platform.python_version()}. N={N} tokens, H={H}, V={V}, every 10th target "
