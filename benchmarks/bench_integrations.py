@@ -8,10 +8,11 @@
    (forward + backward with labels) with ``attn_implementation="sdpa"`` and the stock loss, against the same
    model after ``apply`` (our attention and the linear+cross-entropy loss; then also RMSNorm, SwiGLU and rotary):
    tokens/s and peak memory (targets: 1.2x the tokens/s, at most 0.6x the peak). ``--thunder``: the same model under
-   ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours).
+   ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours);
+   ``--only thunder``: our GPT (gpt-small) the same way, since Thunder 0.2.6 cannot trace transformers 5's Llama.
 
     python benchmarks/bench_integrations.py [--out benchmarks/results/h100-integrations.md] [--only sdpa|hf]
-                                            [--thunder]
+                                            [--thunder] [--only thunder]
 """
 
 from __future__ import annotations
@@ -151,10 +152,49 @@ def hf_rows(batch: int, seq: int, layers: int, thunder: bool):
     return title + "\n\n" + head + "\n" + "\n".join(rows)
 
 
+def thunder_rows(batch: int, seq: int):
+    """Our GPT (gpt-small sizes, vocabulary 50304) with torch's SDPA and F.cross_entropy (the ops fl_executor claims),
+    bf16, one training step: eager, thunder.jit with its default executors, and with fl_executor first. (Thunder 0.2.6
+    does not trace transformers 5's Llama: its rows above fail.)"""
+    from models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=50304, block_size=seq, n_layer=12, n_head=12, n_embd=768, attention="sdpa",
+                         loss="stock")).to("cuda", DTYPE)
+    idx = torch.randint(0, 50304, (batch, seq + 1), device="cuda")
+
+    def step(model):
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        return loss
+
+    results = {}
+    for name, make in (("eager", lambda m: m), ("thunder.jit (default executors)", lambda m: _thunder_jit(m, False)),
+                       ("thunder.jit + fl_executor", lambda m: _thunder_jit(m, True))):
+        torch.cuda.empty_cache()
+        try:
+            model = make(copy.deepcopy(base))
+            loss = step(model).item()
+            ms = do_bench(lambda model=model: step(model), warmup=3, rep=30, return_mode="median")
+            results[name] = (ms, loss)
+        except Exception as e:
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            results[name] = None
+        print(name, results[name], flush=True)
+    default = results.get("thunder.jit (default executors)")
+    rows = [f"| {name} | {batch * seq / r[0] * 1e3:,.0f} | {r[0]:.1f} | "
+            f"{default[0] / r[0]:.2f}x | {r[1]:.4f} |" if r and default else
+            (f"| {name} | {batch * seq / r[0] * 1e3:,.0f} | {r[0]:.1f} | - | {r[1]:.4f} |" if r else
+             f"| {name} | failed | | | |") for name, r in results.items()]
+    return (f"## Lightning Thunder: our GPT (gpt-small, attention=sdpa, loss=stock), bf16, batch {batch} x {seq}, "
+            "forward + backward\n\n| model | tokens/s | ms/step | speed vs thunder default | loss |\n"
+            "| --- | --- | --- | --- | --- |\n" + "\n".join(rows))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
-    parser.add_argument("--only", choices=("sdpa", "hf"))
+    parser.add_argument("--only", choices=("sdpa", "hf", "thunder"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
@@ -168,6 +208,8 @@ def main():
         sections.append(sdpa_rows())
     if args.only in (None, "hf"):
         sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder))
+    if args.only == "thunder" or (args.only is None and args.thunder):
+        sections.append(thunder_rows(8, 1024))
     report("\n\n".join(sections) + "\n", args.out)
 
 

@@ -145,13 +145,17 @@ def test_one_launch_for_q_and_k(monkeypatch):
 
 
 def test_triton_several_head_blocks(monkeypatch):
-    """Small head blocks: several of q, then of k, the last of each partly masked."""
+    """Small head blocks: several of q and of k (sized apart), the last of each partly masked; programs with a q block
+    and no k block, and the other way round."""
     from fusedlayers.kernels import rotary_embedding as kernels
-    monkeypatch.setattr(kernels, "MAX_BLOCK_ELEMENTS", 16)  # D=16: 8 pairs -> 2 heads per program
-    assert kernels._block_h(8, 5) == (8, 2)
+    monkeypatch.setattr(kernels, "MAX_BLOCK_ELEMENTS", 16)  # D=16: 8 pairs -> at most 2 heads per program
+    assert kernels._block_h(8, 5) == 2 and kernels._block_h(8, 1) == 1
     with fl.use_backend("triton"):
         check_parity(*_qk(2, 5, 3, 3, 16, torch.float32, transposed=True), *_cos_sin(2, 3, 16, torch.float32))
         check_parity(*_qk(1, 1, 4, 2, 16, torch.float16), *_cos_sin(1, 2, 16, torch.float16, batched=False))
+    monkeypatch.setattr(kernels, "MAX_BLOCK_ELEMENTS", 64)  # 8 heads of q per program, k (3 heads) in blocks of 4
+    with fl.use_backend("triton"):
+        check_parity(*_qk(2, 12, 3, 3, 16, torch.float32, transposed=True), *_cos_sin(2, 3, 16, torch.float32))
 
 
 def test_float64_and_empty_run_the_reference():

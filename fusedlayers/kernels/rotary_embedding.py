@@ -9,9 +9,10 @@ The backward is the transposed (inverse) rotation, the same kernel with sin' = -
 
     dx1 = g1 * cos1 + g2 * sin2         dx2 = g2 * cos2 - g1 * sin1
 
-One launch handles q and k: program (row, block) with row = b * T + t over the (B * T) positions, and block over the
-cdiv(H_q, BLOCK_H) head blocks of q followed by the cdiv(H_k, BLOCK_H) head blocks of k. Each program loads its
-position's cos/sin once (fp32) and rotates BLOCK_H heads x D/2 pairs. Every tensor is addressed through its strides
+One launch handles q and k: program (row, block) with row = b * T + t over the (B * T) positions rotates head block
+``block`` of q (BLOCK_HQ heads) and of k (BLOCK_HK heads), where it has one; the head blocks are sized for q and k
+apart (GQA: k has fewer heads), so usually one program per position does all of both, loading that position's
+cos/sin once (fp32). Every tensor is addressed through its strides
 (non-contiguous q/k from a transposed (B, T, H, D) projection, cos/sin broadcast with stride 0). fp32 math.
 """
 
@@ -47,7 +48,8 @@ def _rotary_kernel(q_ptr, k_ptr, oq_ptr, ok_ptr, cos_ptr, sin_ptr, T, HQ, HK,
                    sqb, sqh, sqt, sqd, skb, skh, skt, skd,
                    soqb, soqh, soqt, soqd, sokb, sokh, sokt, sokd,
                    scb, sct, scd, ssb, sst, ssd,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BACKWARD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b = row // T
@@ -62,19 +64,16 @@ def _rotary_kernel(q_ptr, k_ptr, oq_ptr, ok_ptr, cos_ptr, sin_ptr, T, HQ, HK,
     s2 = tl.load(sp + HALF * ssd, mask=dm, other=0.0).to(tl.float32)[None, :]
     if BACKWARD:  # rotation by -theta: sin' = -cat(sin2, sin1)
         s1, s2 = -s2, -s1
-    n_q_blocks = tl.cdiv(HQ, BLOCK_H)
-    if blk < n_q_blocks:
-        _rotate_heads(q_ptr, oq_ptr, sqb, sqh, sqt, sqd, soqb, soqh, soqt, soqd, b, t, blk * BLOCK_H, HQ,
-                      c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_D)
-    else:
-        _rotate_heads(k_ptr, ok_ptr, skb, skh, skt, skd, sokb, sokh, sokt, sokd, b, t,
-                      (blk - n_q_blocks) * BLOCK_H, HK, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_D)
+    if blk * BLOCK_HQ < HQ:
+        _rotate_heads(q_ptr, oq_ptr, sqb, sqh, sqt, sqd, soqb, soqh, soqt, soqd, b, t, blk * BLOCK_HQ, HQ,
+                      c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D)
+    if blk * BLOCK_HK < HK:
+        _rotate_heads(k_ptr, ok_ptr, skb, skh, skt, skd, sokb, sokh, sokt, sokd, b, t, blk * BLOCK_HK, HK,
+                      c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D)
 
 
-def _block_h(half: int, heads: int) -> tuple[int, int]:
-    block_d = next_power_of_2(half)
-    block_h = max(1, min(next_power_of_2(heads), MAX_BLOCK_ELEMENTS // block_d))
-    return block_d, block_h
+def _block_h(half: int, heads: int) -> int:
+    return max(1, min(next_power_of_2(heads), MAX_BLOCK_ELEMENTS // next_power_of_2(half)))
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
@@ -87,9 +86,9 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ok = torch.empty_like(k, dtype=k_dtype)
     cos = (cos if cos.dim() == 3 else cos[None]).expand(B, T, D)
     sin = (sin if sin.dim() == 3 else sin[None]).expand(B, T, D)
-    block_d, block_h = _block_h(D // 2, max(HQ, HK))
-    grid = (B * T, -(-HQ // block_h) + -(-HK // block_h))
+    block_hq, block_hk = _block_h(D // 2, HQ), _block_h(D // 2, HK)
+    grid = (B * T, max(-(-HQ // block_hq), -(-HK // block_hk)))
     launch(_rotary_kernel, grid, q, k, oq, ok, cos, sin, T, HQ, HK, *q.stride(), *k.stride(), *oq.stride(),
-           *ok.stride(), *cos.stride(), *sin.stride(), HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d,
-           BACKWARD=backward)
+           *ok.stride(), *cos.stride(), *sin.stride(), HALF=D // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+           BLOCK_D=next_power_of_2(D // 2), BACKWARD=backward)
     return oq, ok
