@@ -94,14 +94,19 @@ def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: 
     return probs @ v
 
 
+def _gqa(q: Tensor, k: Tensor) -> dict:
+    # only passed when the heads are grouped: tracers with an older SDPA signature (Thunder 0.2.6) lack the keyword
+    return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+
 ATTENTION.register("sdpa")(
     lambda q, k, v, dropout_p, softmax: F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k)
     )
 )
 ATTENTION.register("custom")(
     lambda q, k, v, dropout_p, softmax: _fl().scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k)
     )
 )
 
