@@ -79,7 +79,8 @@ def scaled_masked_softmax(
 
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> Tensor:
     """FlashAttention-2 (Triton on CUDA, the same blockwise algorithm in PyTorch on CPU), equal to
     ``F.scaled_dot_product_attention`` with the same arguments.
@@ -99,6 +100,12 @@ def scaled_dot_product_attention(
     it reproducible (the random stream differs from torch's own:
     ``fusedlayers.ops.scaled_dot_product_attention.dropout_keep_mask`` gives the mask that was applied).
     ``scale``: default 1 / sqrt(E) (E = 0: the scores are 0 whatever the scale).
+
+    Beyond torch's arguments (keyword-only; their defaults leave the call exactly torch's): ``window_size=(left,
+    right)``: local (sliding-window) attention, key j kept for query i when i - left <= j <= i + right, -1 meaning
+    unbounded on that side (``(w, 0)`` with or without ``is_causal``: Mistral's and Gemma's window of w + 1 keys);
+    top-left aligned, as ``is_causal`` (query i sits at key i, also when L != S). ``softcap``: logit soft-capping
+    as Gemma 2's, each scaled score x becomes softcap * tanh(x / softcap) before ``attn_mask`` is added; 0 = off.
 
     The output has the memory layout (strides) torch's SDPA gives for the same call, which follows the
     kernel torch picks (on CPU: like ``query`` when its flash kernel runs, else contiguous); so do the
@@ -155,6 +162,10 @@ def scaled_dot_product_attention(
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
     is_causal = v.check_bool("is_causal", is_causal)
+    window_size = _check_window("window_size", window_size)
+    softcap = v.check_number("softcap", softcap)
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
     scale_arg = scale
     if scale is not None:
         scale = v.check_number("scale", scale)
@@ -199,9 +210,17 @@ def scaled_dot_product_attention(
     seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
     out, _ = call(
         _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal,
-        scale, layout,
+        scale, layout, *window_size, float(softcap),
     )
     return out.reshape(*out_batch, q_len, out.shape[-1])
+
+
+def _check_window(name: str, window) -> tuple[int, int]:
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
+    if not ok:
+        raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window!r}")
+    return int(window[0]), int(window[1])
 
 
 def _check_loss_args(ignore_index, reduction, label_smoothing, z_loss) -> tuple[int, str, float, float]:

@@ -372,7 +372,7 @@ def test_kernels_take_head_dims_up_to_256_in_place(monkeypatch):
     seen = []
     monkeypatch.setattr(attn_ops, "use_triton", lambda t: True)
     monkeypatch.setattr(attn_ops, "kernels", type("K", (), {"attention_forward": staticmethod(
-        lambda q, k, v, *a: seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1], v.shape[-1])))}))
+        lambda q, k, v, *a, **kw: seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1], v.shape[-1])))}))
     q, k, v = torch.randn(1, 2, 5, 12), torch.randn(1, 2, 7, 12), torch.randn(1, 2, 7, 200)
     OPS.scaled_dot_product_attention(q, k, v, None, None, 0.0, False, 0.3)
     assert seen == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), 12, 200)]
@@ -1178,3 +1178,133 @@ def test_cuda_dropout_keep_mask():
     probs = F.scaled_dot_product_attention(q.double(), k.double(), torch.eye(130, device="cuda", dtype=torch.float64))
     want = (probs * keep / 0.75) @ v.double()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------- sliding window and soft-capping
+
+
+def explicit_attention(q, k, v, mask, is_causal, window=(-1, -1), softcap=0.0):
+    """Attention spelled out in the inputs' dtype: scores, Gemma 2's soft-cap (c * tanh(x / c), before the mask),
+    the masks (attn_mask, causal, window: i - left <= j <= i + right, top-left aligned), softmax (rows with no key:
+    0), @ v; GQA by repeating K/V. The stock twin of the window / softcap arguments torch's SDPA does not have."""
+    G = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(G, -3), v.repeat_interleave(G, -3)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if softcap > 0.0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)[None, :]
+    keep = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=q.device)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        s = s + mask
+    if is_causal:
+        keep = keep & (j <= i)
+    if window[0] >= 0:
+        keep = keep & (j >= i - window[0])
+    if window[1] >= 0:
+        keep = keep & (j <= i + window[1])
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+    return p @ v
+
+
+# (B, H, H_kv, L, S, D, causal, mask, window, softcap): windows narrower and wider than a block, one-sided, with
+# causal, L != S, GQA, and soft-capping with and without the window and a float mask
+WINDOW_CASES = [
+    (2, 4, 2, 70, 53, 32, False, None, (5, 0), 0.0),
+    (2, 4, 4, 61, 61, 16, False, None, (7, 3), 0.0),
+    (1, 2, 1, 45, 90, 32, False, None, (-1, 4), 0.0),
+    (1, 3, 3, 77, 77, 16, True, None, (20, -1), 0.0),
+    (2, 2, 2, 40, 40, 64, True, "bool", (3, 0), 0.0),
+    (2, 4, 2, 50, 37, 32, False, None, (-1, -1), 2.0),
+    (1, 2, 2, 64, 64, 32, True, None, (12, 0), 1.5),
+    (1, 2, 2, 33, 47, 16, False, "float", (-1, -1), 3.0),
+]
+
+
+def check_window_softcap(case, dtype, device="cpu", backend="auto"):
+    B, H, H_kv, L, S, D, causal, mask, window, softcap = case
+    q, k, v, m = make_inputs(B, H, H_kv, L, S, D, D, dtype, device=device, mask=mask,
+                             mask_grad=mask == "float")
+    grad = torch.randn(B, H, L, D, dtype=dtype, device=device)
+
+    def fused(q_, k_, v_, m_):
+        return fl.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, is_causal=causal, enable_gqa=H != H_kv,
+                                               window_size=window, softcap=softcap)
+
+    def stock(q_, k_, v_, m_):
+        return explicit_attention(q_, k_, v_, m_, causal, window, softcap)
+
+    def up(t):
+        return t if t is None or t.dtype == torch.bool else t.detach().double().requires_grad_(t.requires_grad)
+
+    out_f, grads_f = run_with_grads(fused, q, k, v, m, grad, backend)
+    out_s, grads_s = run_with_grads(stock, q, k, v, m, grad)
+    out_r, grads_r = run_with_grads(stock, up(q), up(k), up(v), up(m), grad.double())
+    assert len(grads_f) == len(grads_r) == 3 + (mask == "float")
+    for name, xf, xs, xr in zip(("output", "dq", "dk", "dv", "dmask"), [out_f, *grads_f], [out_s, *grads_s],
+                                [out_r, *grads_r], strict=False):
+        assert not xf.isnan().any(), name
+        assert_parity(xf, xs, xr, name)
+    # the window and the cap change the result: these are not plain attention
+    plain = fl.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=H != H_kv)
+    assert (plain.double() - out_r).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}w{c[8][0]},{c[8][1]}cap{c[9]}")
+def test_window_and_softcap(case, dtype, backend):
+    if dtype == torch.float16 and backend == "reference":
+        pytest.skip("the reference computes fp16 in fp32 like the kernels; fp32 covers it")
+    check_window_softcap(case, dtype, backend=backend)
+
+
+def test_window_and_softcap_defaults_and_errors():
+    q, k, v, _ = make_inputs(1, 2, 2, 9, 9, 8, 8, torch.float32)
+    plain = fl.scaled_dot_product_attention(q, k, v, is_causal=True)
+    same = fl.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(-1, -1), softcap=0.0)
+    assert torch.equal(plain, same)
+    # a window as wide as the sequence is no window
+    wide = fl.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(9, 9))
+    torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
+    for bad in ((3,), (1, -2), (1.5, 0), "full", (True, 0)):
+        with pytest.raises(ValueError, match="window_size must be a pair"):
+            fl.scaled_dot_product_attention(q, k, v, window_size=bad)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            fl.scaled_dot_product_attention(q, k, v, softcap=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}w{c[8][0]},{c[8][1]}cap{c[9]}")
+def test_cuda_window_and_softcap(case, dtype):
+    check_window_softcap(case, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_window_never_reads_keys_outside_it(backend, device):
+    """Keys that no query's window reaches are skipped, not masked: NaN there (0 * NaN = NaN in P @ V if they were
+    read) changes nothing; the result equals attention over the reachable keys, whose gradients are zero."""
+    if device == "cuda" and backend == "reference":
+        pytest.skip("the cuda run covers the kernels")
+    L, S, window = 32, 160, (8, 8)  # queries 0..31 reach keys up to 39; keys 64.. lie two blocks past that
+    q, k, v, _ = make_inputs(2, 2, 2, L, S, 32, 32, torch.float32, device=device)
+    k[..., 64:, :] = float("nan")
+    v[..., 64:, :] = float("nan")
+    grad = torch.randn(2, 2, L, 32, device=device)
+
+    def fused(q_, k_, v_, m_):
+        return fl.scaled_dot_product_attention(q_, k_, v_, window_size=window)
+
+    out, (dq, dk, dv) = run_with_grads(fused, q, k, v, None, grad, backend if device == "cpu" else "auto")
+    want, (dq_w, dk_w, dv_w) = run_with_grads(fused, q, k[..., :64, :], v[..., :64, :], None, grad,
+                                              backend if device == "cpu" else "auto")
+    for name, got, ref in (("output", out, want), ("dq", dq, dq_w), ("dk", dk[..., :64, :], dk_w),
+                           ("dv", dv[..., :64, :], dv_w)):
+        assert not got.isnan().any(), name
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, msg=name)
+    assert not dk[..., 64:, :].any() and not dv[..., 64:, :].any()

@@ -136,15 +136,39 @@ def _dropout_keep(seed0, seed1, rows, cols, bh, threshold):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp (the interpreter has no libdevice tanh): an odd Taylor polynomial below |x| = 1/8
+    (truncation < 2e-9 relative), (1 - e) / (1 + e) with e = exp(-2|x|) above (a few ulps)."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(ax < 0.125, small, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _window_keep(rows, cols, win_left, win_right):
+    """Key col kept for query row in a window (i - left <= j <= i + right; -1: unbounded); rows and cols broadcast."""
+    return (((win_left < 0) | (cols >= rows - win_left)) & ((win_right < 0) | (cols <= rows + win_right)))
+
+
+@triton.jit
 def _masked_scores(
-    qk, qk_scale, mask_base, stride_mm, stride_mn, rows, cols, L, S,
+    qk, qk_scale, mask_base, stride_mm, stride_mn, rows, cols, L, S, win_left, win_right, cap_scale, cap_mult,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    NATURAL: tl.constexpr,
+    NATURAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """(rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units.
+    """((rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units; the soft-cap's
+    tanh (SOFTCAP: the scores are cap_mult * tanh(qk * cap_scale), before the mask is added)).
     The mask's addresses are formed here from the (b, h) base (not carried across the loop as a tile of
     64-bit pointers, which costs registers)."""
-    s = qk * qk_scale
+    if SOFTCAP:
+        t = _tanh(qk * cap_scale)
+        s = t * cap_mult
+    else:
+        t = qk
+        s = qk * qk_scale
     if HAS_MASK:
         mask_ptrs = mask_base + rows[:, None] * stride_mm + cols[None, :] * stride_mn
         if CHECK_KEYS:
@@ -161,7 +185,9 @@ def _masked_scores(
         s = tl.where(cols[None, :] < S, s, float("-inf"))
     if CAUSAL:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    return s
+    if WINDOW:
+        s = tl.where(_window_keep(rows[:, None], cols[None, :], win_left, win_right), s, float("-inf"))
+    return s, t
 
 
 # ----------------------------------------------------------------------------- forward
@@ -194,13 +220,28 @@ def _key_range(S, m0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _window_key_range(S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """[lo, hi): the key blocks a window reaches from the query block at m0 (the others are skipped, not masked)."""
+    lo = m0 * 0
+    if win_left >= 0:
+        lo = (tl.maximum(m0 - win_left, 0) // BLOCK_N) * BLOCK_N
+    hi = S + m0 * 0
+    if win_right >= 0:
+        hi = tl.minimum(hi, m0 + BLOCK_M + win_right)
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M)
+    return lo, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    FAST_MAX: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_MAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
@@ -209,9 +250,10 @@ def _fwd_inner(
         cols = start_n + offs_n
         k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
         qk = _mm(q, tl.trans(k), IEEE)
-        if CHECK_KEYS or CAUSAL or HAS_MASK:
-            s = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, CHECK_KEYS, CAUSAL,
-                               HAS_MASK, MASK_BOOL, IEEE)
+        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP:
+            s, _ = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, win_left,
+                                  win_right, cap_scale, cap_mult, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL, IEEE, WINDOW,
+                                  SOFTCAP)
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             # a row with every key masked so far keeps m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -247,9 +289,10 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep,
+    H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, FAST_MAX: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
@@ -269,18 +312,23 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if WINDOW:  # only the key blocks the window reaches, all of them masked
+        lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi = lo
+    else:
+        full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        lo = full_hi * 0
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, 0, full_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, BLOCK_N,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, False, SOFTCAP, BLOCK_N,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, BLOCK_N,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, WINDOW, SOFTCAP, BLOCK_N,
     )
 
     # rows with every key masked have l = 0 and acc = 0: output 0, logsumexp +inf
@@ -327,10 +375,11 @@ def _bwd_preprocess_kernel(
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -344,7 +393,11 @@ def _bwd_dkdv_inner(
             lse = tl.load(lse_base + offs_m, mask=offs_m < L, other=float("inf"))
         else:
             lse = tl.load(lse_base + offs_m)
-        s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
+        if SOFTCAP:
+            t_t = _tanh(_mm(k, tl.trans(q), IEEE) * cap_scale)
+            s_t = t_t * cap_mult
+        else:
+            s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
         if HAS_MASK:
             mv = tl.load(mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn,
                          mask=(offs_m[None, :] < L) & (offs_n[:, None] < S), other=0)
@@ -356,6 +409,8 @@ def _bwd_dkdv_inner(
                 s_t = s_t + mv.to(tl.float32) * 1.4426950408889634
         if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+        if WINDOW:
+            s_t = tl.where(_window_keep(offs_m[None, :], offs_n[:, None], win_left, win_right), s_t, float("-inf"))
         if IEEE:
             lse_hi, lse_lo = _split_lse(lse)
             p_t = _exp((s_t - lse_hi[None, :]) - lse_lo[None, :], True)
@@ -378,12 +433,14 @@ def _bwd_dkdv_inner(
             dp_t = _mm(v, tl.trans(do), IEEE)
             if DROPOUT:
                 dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-            ds_t = p_t * (dp_t - delta[None, :])
-            if COMPUTE_DK:
-                dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])  # d(loss)/d(capped, masked score): the float mask's gradient
             if STORE_DS:
                 tl.store(ds_base + offs_m[None, :].to(tl.int64) * S + offs_n[:, None], ds_t,
                          mask=(offs_m[None, :] < L) & (offs_n[:, None] < S))
+            if SOFTCAP:  # through the soft-cap to the raw score
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            if COMPUTE_DK:
+                dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
     return dk, dv
 
 
@@ -397,10 +454,11 @@ def _attn_bwd_dkdv_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
+    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+    cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -429,6 +487,15 @@ def _attn_bwd_dkdv_kernel(
     else:
         m_start = 0
         m_mid = 0
+    # a window: only the query blocks that reach this key block, all masked
+    m_lo = n0 * 0
+    if win_right >= 0:
+        m_lo = (tl.maximum(n0 - win_right, 0) // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        m_lo = tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M)
+    m_hi = L + n0 * 0
+    if win_left >= 0:
+        m_hi = tl.minimum(m_hi, n0 + BLOCK_N + win_left)
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * H + h
@@ -438,29 +505,38 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
-        if IS_CAUSAL:
+        if WINDOW:
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
-                m_start, tl.minimum(m_mid, L),
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-                True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, BLOCK_M,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                cap_mult, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, True, SOFTCAP, BLOCK_M,
             )
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
-            offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-            False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-            EVEN_D, EVEN_DV, IEEE, BLOCK_M,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, tl.maximum(m_mid, l_even), L,
-            offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-            False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-            EVEN_D, EVEN_DV, IEEE, BLOCK_M,
-        )
+        else:
+            if IS_CAUSAL:
+                dk, dv = _bwd_dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
+                    m_start, tl.minimum(m_mid, L),
+                    offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                    cap_mult, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+                )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                cap_mult, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, tl.maximum(m_mid, l_even), L,
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                cap_mult, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+            )
 
     key_rows = offs_n[:, None] < S
     if COMPUTE_DK:
@@ -479,10 +555,10 @@ def _attn_bwd_dkdv_kernel(
 def _bwd_dq_inner(
     dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
+    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    DELTA_ONLY: tl.constexpr, BLOCK_N: tl.constexpr,
+    DELTA_ONLY: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block over key blocks [lo, hi); DELTA_ONLY: instead delta = sum_j P dP (``dq`` is then
     a (BLOCK_M,) row sum), with the very dP tiles the dQ pass forms."""
@@ -494,11 +570,13 @@ def _bwd_dq_inner(
         k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
         v = _load2d(v_ptrs, cols, S, offs_dv, DV, CHECK_KEYS, not EVEN_DV)
         qk = _mm(q, tl.trans(k), IEEE)
-        if CHECK_KEYS or CAUSAL or HAS_MASK:
-            s = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, CHECK_KEYS, CAUSAL,
-                               HAS_MASK, MASK_BOOL, IEEE)
+        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP:
+            s, t = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, win_left,
+                                  win_right, cap_scale, cap_mult, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL, IEEE, WINDOW,
+                                  SOFTCAP)
         else:
             s = qk * qk_scale
+            t = qk
         if IEEE:
             p = _exp((s - lse2[:, None]) - lse_lo[:, None], True)
         else:
@@ -511,6 +589,8 @@ def _bwd_dq_inner(
             dq += tl.sum(p * dp, 1)
         else:
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:  # through the soft-cap to the raw score
+                ds = ds * (1.0 - t * t)
             dq = _mma(ds.to(k.dtype), k, dq, IEEE)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -526,9 +606,11 @@ def _attn_bwd_dq_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep,
+    H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+    cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, DELTA_ONLY: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ of one query block; DELTA_ONLY: the pass before it, writing delta = sum_j P dP to Delta."""
@@ -558,18 +640,23 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if WINDOW:  # only the key blocks the window reaches, all of them masked
+        lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi = lo
+    else:
+        full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        lo = full_hi * 0
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, 0, full_hi,
+        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, BLOCK_N,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, False, SOFTCAP, BLOCK_N,
     )
     dq = _bwd_dq_inner(
         dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, BLOCK_N,
+        L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, WINDOW, SOFTCAP, BLOCK_N,
     )
     # if / else, not an early return: the compiler (unlike the interpreter) still builds the code after a
     # constexpr branch that returns, where dq is the (BLOCK_M,) delta
@@ -655,10 +742,19 @@ def _exponent_scale(dtype: torch.dtype, scale: float) -> float:
     return scale if dtype == torch.float32 else scale * LOG2E
 
 
+def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, int], softcap: float) -> tuple:
+    """(win_left, win_right, cap_scale, cap_mult): the soft-capped score in exponent units is
+    cap_mult * tanh(qk * cap_scale) = (softcap in those units) * tanh(qk * scale / softcap)."""
+    if softcap <= 0.0:
+        return int(window[0]), int(window[1]), 1.0, 1.0
+    return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
-    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) (+inf for fully-masked rows), float64 for
     fp32 inputs (m + log(l) unrounded), fp32 for 16-bit ones.
@@ -667,7 +763,8 @@ def attention_forward(
     any D, Dv <= 256 (padded to a power of two inside the kernels); mask None or expanded to (B, H, L, S),
     dropout None or (seed0, seed1, threshold, 1 / (1 - p)): seeds in [0, 2**31), an element is kept when
     the top 31 bits of its Philox word are >= threshold. ``out`` (any strides) and ``lse`` (contiguous):
-    where to write, new tensors if None.
+    where to write, new tensors if None. ``window`` (left, right) and ``softcap``: as
+    ``fusedlayers.functional.scaled_dot_product_attention``'s; key blocks outside the window are skipped.
     """
     B, H, L, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -687,9 +784,10 @@ def attention_forward(
         q, k, v, out, lse, mask_t,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
         H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
+        *_window_softcap_args(q.dtype, scale, window, softcap),
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32,
-        FAST_MAX=q.dtype != torch.float32 and scale >= 0.0,
+        FAST_MAX=q.dtype != torch.float32 and scale >= 0.0, WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_DV=bdv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -700,7 +798,7 @@ def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, mask: torch.Tensor | None, dropout: tuple[int, int, int, float] | None,
     is_causal: bool, scale: float, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
-    ds: torch.Tensor | None, exact_delta: bool = False,
+    ds: torch.Tensor | None, exact_delta: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Writes the gradients asked for into ``dq``, ``dk``, ``dv`` (any strides, shapes and dtypes of q, k,
     v) and ``ds`` (d(loss)/d(scores), (B, H, L, S) fp32 contiguous, for a float mask's gradient); None for
@@ -732,8 +830,10 @@ def attention_backward(
     common = dict(
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
+        WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0,
     )
-    scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep)
+    scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
+               *_window_softcap_args(q.dtype, scale, window, softcap))
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
     dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)

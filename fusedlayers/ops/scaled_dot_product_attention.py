@@ -273,13 +273,17 @@ class _Blocks:
     block of keys serves all the query heads of its group without copying K/V."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None,
-                 dropout_p: float, is_causal: bool, scale: float):
+                 dropout_p: float, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0):
         self.acc = _accumulator(q.dtype)
         B, H, L, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H // H_kv
         self.B, self.H, self.L, self.S, self.G, self.H_kv = B, H, L, S, G, H_kv
         self.k, self.v, self.scale, self.is_causal = k, v, scale, is_causal
+        self.window, self.softcap = window, softcap
+        # keys past the last one a window reaches (query L - 1 sees keys up to L - 1 + right) are never read
+        self.key_end = S if window[1] < 0 else max(0, min(S, L + window[1]))
         self.q = q.reshape(B, H_kv, G * L, D).to(self.acc)
         self.rows = torch.arange(G * L, device=q.device) % L  # query index of each grouped row
         # (B, H_kv, G, L, S) view of the expanded mask: a block of it is sliced per step (no full copy)
@@ -294,24 +298,36 @@ class _Blocks:
             self.rows_i64 = self.rows.view(1, 1, G * L, 1)
 
     def blocks(self, block_n: int):
-        for n0 in range(0, self.S, block_n):
-            yield n0, min(n0 + block_n, self.S)
+        for n0 in range(0, self.key_end, block_n):
+            yield n0, min(n0 + block_n, self.key_end)
 
-    def scores(self, n0: int, n1: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(scaled masked scores (B, H_kv, G*L, n), key block, value block), in the accumulator dtype."""
+    def scores(self, n0: int, n1: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(scaled masked scores (B, H_kv, G*L, n), key block, value block, d(capped)/d(raw) score or None), in the
+        accumulator dtype. Soft-capping (``softcap`` c > 0) maps the scaled score x to c * tanh(x / c) before the
+        mask is added (Gemma 2's order); the window keeps key j for query i when i - left <= j <= i + right (-1:
+        unbounded on that side; top-left aligned, as is_causal)."""
         kb = self.k[:, :, n0:n1].to(self.acc)
         vb = self.v[:, :, n0:n1].to(self.acc)
         s = torch.matmul(self.q, kb.transpose(-1, -2)) * self.scale
+        dcap = None
+        if self.softcap > 0.0:
+            t = torch.tanh(s / self.softcap)
+            s, dcap = self.softcap * t, 1.0 - t * t
         if self.mask is not None:
             mb = self.mask[..., n0:n1].reshape(self.B, self.H_kv, self.G * self.L, n1 - n0)
             if mb.dtype == torch.bool:
                 s = s.masked_fill(~mb, float("-inf"))
             else:
                 s = s + mb.to(self.acc)
+        cols = torch.arange(n0, n1, device=s.device)
         if self.is_causal:
-            cols = torch.arange(n0, n1, device=s.device)
             s = s.masked_fill(cols[None, :] > self.rows[:, None], float("-inf"))
-        return s, kb, vb
+        left, right = self.window
+        if left >= 0:
+            s = s.masked_fill(cols[None, :] < self.rows[:, None] - left, float("-inf"))
+        if right >= 0:
+            s = s.masked_fill(cols[None, :] > self.rows[:, None] + right, float("-inf"))
+        return s, kb, vb, dcap
 
     def keep(self, n0: int, n1: int) -> Tensor:
         cols = torch.arange(n0, n1, device=self.q.device).view(1, 1, 1, n1 - n0)
@@ -320,17 +336,18 @@ class _Blocks:
 
 def attention_forward_reference(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None, dropout_p: float,
-    is_causal: bool, scale: float, block_n: int = REFERENCE_BLOCK_N,
+    is_causal: bool, scale: float, block_n: int = REFERENCE_BLOCK_N, window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention-2 forward in PyTorch: online softmax over blocks of ``block_n`` keys."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap)
     B, H, L, DV = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     rows = (B, st.H_kv, st.G * L)
     m = torch.full(rows, float("-inf"), dtype=st.acc, device=q.device)
     l_sum = torch.zeros(rows, dtype=st.acc, device=q.device)
     acc = torch.zeros((*rows, DV), dtype=st.acc, device=q.device)
     for n0, n1 in st.blocks(block_n):
-        s, _, vb = st.scores(n0, n1)
+        s, _, vb, _ = st.scores(n0, n1)
         m_new = torch.maximum(m, s.amax(-1))
         m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows masked so far: exp(-inf) = 0, no NaN
         p = torch.exp(s - m_sub[..., None])
@@ -352,6 +369,7 @@ def attention_backward_reference(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     seed: Tensor | None, dropout_p: float, is_causal: bool, scale: float,
     need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool, block_n: int = REFERENCE_BLOCK_N,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """FlashAttention-2 backward in PyTorch: probabilities recomputed per key block from the logsumexp.
 
@@ -361,7 +379,7 @@ def attention_backward_reference(
     (fp16/bf16: 2**-11 / 2**-8), and where the softmax is nearly one-hot dP_ij - delta_i cancels, so that
     rounding would dominate dS (the kernels accept it for speed, as FlashAttention and torch's fused kernels
     do)."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap)
     B, H, L, D = q.shape
     H_kv, S, G = st.H_kv, st.S, st.G
     acc = st.acc
@@ -370,36 +388,39 @@ def attention_backward_reference(
     need_ds = need_dq or need_dk or need_dmask
 
     def probs_and_dp(n0: int, n1: int):
-        s, kb, vb = st.scores(n0, n1)
+        s, kb, vb, dcap = st.scores(n0, n1)
         p = torch.exp((s - lse_hi) - lse_lo)  # 0 where masked (s = -inf) and on fully-masked rows (lse = +inf)
         keep = st.keep(n0, n1) if st.dropout else None
         dp = torch.matmul(do, vb.transpose(-1, -2)) if need_ds else None
         if keep is not None and dp is not None:
             dp = dp * keep * st.inv_keep
-        return p, dp, keep, kb
+        return p, dp, keep, kb, dcap
 
     delta = torch.zeros((B, H_kv, G * L, 1), dtype=acc, device=q.device)
     if need_ds:
         for n0, n1 in st.blocks(block_n):
-            p, dp, _, _ = probs_and_dp(n0, n1)
+            p, dp, _, _, _ = probs_and_dp(n0, n1)
             delta += (p * dp).sum(-1, keepdim=True)
     dq = torch.zeros((B, H_kv, G * L, D), dtype=acc, device=q.device) if need_dq else None
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dk else None
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dv else None
+    new = torch.empty if st.key_end == S else torch.zeros  # keys no window reaches get zero gradients
+    dk = new(k.shape, dtype=k.dtype, device=k.device) if need_dk else None
+    dv = new(v.shape, dtype=v.dtype, device=v.device) if need_dv else None
     ds_all = torch.zeros((B, H, L, S), dtype=acc, device=q.device) if need_dmask else None
     for n0, n1 in st.blocks(block_n):
-        p, dp, keep, kb = probs_and_dp(n0, n1)
+        p, dp, keep, kb, dcap = probs_and_dp(n0, n1)
         if need_dv:
             p_drop = p * keep * st.inv_keep if keep is not None else p
             dv[:, :, n0:n1] = torch.matmul(p_drop.transpose(-1, -2), do).to(v.dtype)  # sums the group's rows
         if need_ds:
-            ds = p * (dp - delta)
+            ds = p * (dp - delta)  # d(loss)/d(capped, masked score): the float mask's gradient
+            if need_dmask:
+                ds_all[..., n0:n1] = ds.view(B, H, L, n1 - n0)
+            if dcap is not None:  # through the soft-cap to the raw score
+                ds = ds * dcap
             if need_dq:
                 dq += torch.matmul(ds, kb)
             if need_dk:
                 dk[:, :, n0:n1] = (torch.matmul(ds.transpose(-1, -2), st.q) * scale).to(k.dtype)
-            if need_dmask:
-                ds_all[..., n0:n1] = ds.view(B, H, L, n1 - n0)
     if need_dq:
         dq = (dq * scale).reshape(B, H, L, D).to(q.dtype)
     return dq, dk, dv, ds_all
@@ -417,7 +438,8 @@ def _empty_outputs(q: Tensor, v: Tensor, layout: int) -> tuple[Tensor, Tensor]:
 @custom_op("fusedlayers::scaled_dot_product_attention")
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, seed: Tensor | None,
-    dropout_p: float, is_causal: bool, scale: float, layout: int = LAYOUT_CONTIGUOUS,
+    dropout_p: float, is_causal: bool, scale: float, layout: int = LAYOUT_CONTIGUOUS, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     B, H, L = query.shape[:3]
     S = key.shape[2]
@@ -427,16 +449,20 @@ def scaled_dot_product_attention(
     if S == 0:  # no keys: every row is fully masked
         return out.zero_(), lse.fill_(float("inf"))
     mask = attn_mask.expand(B, H, L, S) if attn_mask is not None else None
+    window = (window_left, window_right)
     if _run_kernel(query, value):
         drop = dropout_params(seed, dropout_p) if seed is not None and dropout_p > 0.0 else None
-        kernels.attention_forward(query, key, value, mask, drop, is_causal, scale, out, lse)
+        kernels.attention_forward(query, key, value, mask, drop, is_causal, scale, out, lse, window=window,
+                                  softcap=softcap)
         return out, lse
-    out_r, lse_r = attention_forward_reference(query, key, value, mask, seed, dropout_p, is_causal, scale)
+    out_r, lse_r = attention_forward_reference(query, key, value, mask, seed, dropout_p, is_causal, scale,
+                                               window=window, softcap=softcap)
     return out.copy_(out_r), lse_r
 
 
 @scaled_dot_product_attention.register_fake
-def _(query, key, value, attn_mask, seed, dropout_p, is_causal, scale, layout=LAYOUT_CONTIGUOUS):
+def _(query, key, value, attn_mask, seed, dropout_p, is_causal, scale, layout=LAYOUT_CONTIGUOUS, window_left=-1,
+      window_right=-1, softcap=0.0):
     return _empty_outputs(query, value, layout)
 
 
@@ -445,7 +471,8 @@ def _forward_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
-    ctx.layout = rest[0] if rest else LAYOUT_CONTIGUOUS
+    # the trailing arguments with defaults: layout, window_left, window_right, softcap (those not passed: defaults)
+    ctx.layout, ctx.window_left, ctx.window_right, ctx.softcap = (*rest, *(LAYOUT_CONTIGUOUS, -1, -1, 0.0)[len(rest):])
     ctx.mask_meta = (attn_mask.shape, attn_mask.dtype) if attn_mask is not None else None
     ctx.save_for_backward(query, key, value, out, lse, attn_mask, seed)
 
@@ -459,7 +486,7 @@ def _forward_autograd(ctx, grad_out, _grad_lse):
     dq, dk, dv, ds = call(
         scaled_dot_product_attention_backward,
         grad_out, query, key, value, out, lse, attn_mask, seed, ctx.dropout_p, ctx.is_causal, ctx.scale,
-        need_dq, need_dk, need_dv, need_dmask, ctx.layout,
+        need_dq, need_dk, need_dv, need_dmask, ctx.layout, ctx.window_left, ctx.window_right, ctx.softcap,
     )
     dmask = None
     if need_dmask:  # an additive float mask that requires grad: dS summed over its broadcast dims
@@ -492,6 +519,7 @@ def scaled_dot_product_attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Tensor | None, seed: Tensor | None, dropout_p: float, is_causal: bool, scale: float,
     need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool, layout: int = LAYOUT_CONTIGUOUS,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     B, H, L = query.shape[:3]
     S = key.shape[2]
@@ -507,19 +535,19 @@ def scaled_dot_product_attention_backward(
         kernels.attention_backward(
             grad_out, query, key, value, out, lse, mask, drop, is_causal, scale,
             dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, ds if need_dmask else None,
-            exact_delta,
+            exact_delta, window=(window_left, window_right), softcap=softcap,
         )
         return dq, dk, dv, ds
     grads = attention_backward_reference(
         grad_out, query, key, value, out, lse, mask, seed, dropout_p, is_causal, scale,
-        need_dq, need_dk, need_dv, need_dmask,
+        need_dq, need_dk, need_dv, need_dmask, window=(window_left, window_right), softcap=softcap,
     )
     return tuple(dst.copy_(g) if g is not None else dst for dst, g in zip((dq, dk, dv, ds), grads, strict=True))
 
 
 @scaled_dot_product_attention_backward.register_fake
 def _(grad_out, query, key, value, out, lse, attn_mask, seed, dropout_p, is_causal, scale,
-      need_dq, need_dk, need_dv, need_dmask, layout=LAYOUT_CONTIGUOUS):
+      need_dq, need_dk, need_dv, need_dmask, layout=LAYOUT_CONTIGUOUS, window_left=-1, window_right=-1, softcap=0.0):
     return _backward_outputs(query, key, value, need_dq, need_dk, need_dv, need_dmask, layout)
 
 
@@ -535,7 +563,7 @@ def _register_autocast(device_type: str) -> None:
     key = getattr(torch._C.DispatchKey, key_name)
 
     def kernel(_keyset, query, key_, value, attn_mask, seed, dropout_p, is_causal, scale,
-               layout=LAYOUT_CONTIGUOUS):
+               layout=LAYOUT_CONTIGUOUS, window_left=-1, window_right=-1, softcap=0.0):
         dtype = torch.get_autocast_dtype(device_type)
 
         def cast(t):
@@ -545,7 +573,8 @@ def _register_autocast(device_type: str) -> None:
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             return scaled_dot_product_attention(
-                cast(query), cast(key_), cast(value), cast(attn_mask), seed, dropout_p, is_causal, scale, layout
+                cast(query), cast(key_), cast(value), cast(attn_mask), seed, dropout_p, is_causal, scale, layout,
+                window_left, window_right, softcap,
             )
 
     _autocast_lib.impl("scaled_dot_product_attention", kernel, key_name, with_keyset=True)
