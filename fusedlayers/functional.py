@@ -19,11 +19,12 @@ from fusedlayers.ops import rotary_embedding as _rotary_embedding_ops
 from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 from fusedlayers.ops import softmax as _softmax_ops
 from fusedlayers.ops import swiglu as _swiglu_ops
+from fusedlayers.ops import varlen_attention as _varlen_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
            "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
-           "rms_norm", "layer_norm", "swiglu", "rotary_embedding"]
+           "rms_norm", "layer_norm", "swiglu", "rotary_embedding", "varlen_attention"]
 
 
 def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
@@ -213,6 +214,110 @@ def scaled_dot_product_attention(
         scale, layout, *window_size, float(softcap),
     )
     return out.reshape(*out_batch, q_len, out.shape[-1])
+
+
+def varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float = 0.0, scale: float | None = None, is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+) -> Tensor:
+    """Attention over sequences of different lengths packed without padding, as FlashAttention's
+    ``flash_attn_varlen_func``: query (total_q, H, D), key (total_k, H_kv, D), value (total_k, H_kv, Dv); sequence b
+    is query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (int32,
+    on the inputs' device, starting at 0 and ending at total_q / total_k; empty sequences allowed); each row attends
+    only to its own sequence's keys. Returns (total_q, H, Dv).
+
+    ``is_causal`` and ``window_size=(left, right)`` are aligned bottom-right within each sequence, as FlashAttention's
+    varlen (unlike ``scaled_dot_product_attention``'s top-left): query i of a sequence with L queries and S keys sits
+    at key i + S - L, so with L < S the queries see the sequence's earlier keys, and with L > S the first L - S query
+    rows see no key (zero output and gradients). GQA by head count (H a multiple of H_kv; query head h reads
+    key/value head h // (H / H_kv), not copied); ``softcap`` as Gemma 2's; dropout as
+    ``scaled_dot_product_attention``'s. ``max_seqlen_q``/``max_seqlen_k``: FlashAttention's arguments, accepted and
+    checked against the lengths (the kernels size their grid by the packed totals and skip what no sequence needs).
+
+    Triton forward and backward on CUDA (the dense attention kernels in interval mode: blocks of keys that no row of a
+    query block may see are skipped, not masked), the same blockwise algorithm in PyTorch elsewhere; fp32 math.
+    """
+    import math
+
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        v.check_float_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, head_dim), got shape {tuple(t.shape)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    H, D = query.shape[1:]
+    H_kv = key.shape[1]
+    if key.shape[2] != D or value.shape[:2] != key.shape[:2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same (total_k, "
+                         f"H_kv) and key query's head dim {D}")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({H_kv})")
+    lens = []
+    compiling = torch.compiler.is_compiling()  # the checks of the lengths' values read them (not traceable)
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, query.shape[0]), ("cu_seqlens_k", cu_seqlens_k,
+                                                                             key.shape[0])):
+        v.check_tensor(name, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths, got {cu.dtype} of shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != query.device:
+            raise ValueError(f"{name} is on {cu.device} but query is on {query.device}")
+        n = cu.to(torch.int64)
+        if not compiling and (n[0] != 0 or n[-1] != total or bool((n[1:] < n[:-1]).any())):
+            raise ValueError(f"{name} must start at 0, never decrease and end at {total} (the packed length)")
+        lens.append(n[1:] - n[:-1])
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    for name, value_, n in (("max_seqlen_q", max_seqlen_q, lens[0]), ("max_seqlen_k", max_seqlen_k, lens[1])):
+        longest = int(n.max()) if n.numel() and not compiling else 0
+        if not isinstance(value_, int) or isinstance(value_, bool) or value_ < longest:
+            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value_!r}")
+    dropout_p = v.check_number("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
+    is_causal = v.check_bool("is_causal", is_causal)
+    window_size = _check_window("window_size", window_size)
+    softcap = v.check_number("softcap", softcap)
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+    scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else v.check_number("scale", scale)
+    intervals = _varlen_intervals(cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64), *lens, is_causal,
+                                  window_size, query.shape[0], key.shape[0])
+    seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
+    out, _ = call(_varlen_ops.varlen_attention, query, key, value, *intervals, seed, dropout_p, float(scale),
+                  float(softcap))
+    return out
+
+
+def _varlen_intervals(cu_q: Tensor, cu_k: Tensor, len_q: Tensor, len_k: Tensor, is_causal: bool,
+                      window: tuple[int, int], total_q: int, total_k: int) -> tuple[Tensor, ...]:
+    """(row_lo, row_hi, col_lo, col_hi) int32: the keys each query row attends, the queries each key is attended by.
+    Within a sequence query i sits at key i + (S - L) (bottom-right); causal caps the right side at 0 keys past it."""
+    n = len_q.numel()
+    big = total_q + total_k + 1
+    left = window[0] if window[0] >= 0 else big
+    right = window[1] if window[1] >= 0 else big
+    if is_causal:
+        right = min(right, 0)
+    diag = len_k - len_q
+    seq_q = torch.repeat_interleave(torch.arange(n, device=cu_q.device), len_q, output_size=total_q)
+    i = torch.arange(total_q, device=cu_q.device) - cu_q[seq_q]
+    at = i + diag[seq_q]  # the key this query sits at, local to its sequence
+    lo = torch.clamp(at - left, min=0)
+    hi = torch.minimum(at + right, len_k[seq_q] - 1)
+    row_lo, row_hi = cu_k[seq_q] + lo, cu_k[seq_q] + hi  # hi < lo: no key
+    seq_k = torch.repeat_interleave(torch.arange(n, device=cu_q.device), len_k, output_size=total_k)
+    j = torch.arange(total_k, device=cu_q.device) - cu_k[seq_k]
+    first = torch.clamp(j - diag[seq_k] - right, min=0)  # queries i with at(i) - left <= j <= at(i) + right
+    last = torch.minimum(j - diag[seq_k] + left, len_q[seq_k] - 1)
+    col_lo, col_hi = cu_q[seq_k] + first, cu_q[seq_k] + last
+    return tuple(t.to(torch.int32) for t in (row_lo, row_hi, col_lo, col_hi))
 
 
 def _check_window(name: str, window) -> tuple[int, int]:

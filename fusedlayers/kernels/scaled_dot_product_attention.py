@@ -156,8 +156,9 @@ def _window_keep(rows, cols, win_left, win_right):
 @triton.jit
 def _masked_scores(
     qk, qk_scale, mask_base, stride_mm, stride_mn, rows, cols, L, S, win_left, win_right, cap_scale, cap_mult,
+    row_lo, row_hi,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    NATURAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    NATURAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INTERVALS: tl.constexpr,
 ):
     """((rows x cols) scores qk * qk_scale with the masks applied (-inf where masked), in exponent units; the soft-cap's
     tanh (SOFTCAP: the scores are cap_mult * tanh(qk * cap_scale), before the mask is added)).
@@ -187,6 +188,8 @@ def _masked_scores(
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
     if WINDOW:
         s = tl.where(_window_keep(rows[:, None], cols[None, :], win_left, win_right), s, float("-inf"))
+    if INTERVALS:  # each query row's own key interval [row_lo, row_hi] (packed variable-length sequences)
+        s = tl.where((cols[None, :] >= row_lo[:, None]) & (cols[None, :] <= row_hi[:, None]), s, float("-inf"))
     return s, t
 
 
@@ -235,13 +238,25 @@ def _window_key_range(S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N: tl.constexpr):
+    """(row_lo, row_hi, lo, hi): the query rows' key intervals and the key blocks [lo, hi) that cover them all."""
+    row_lo = tl.load(RowLo + offs_m, mask=offs_m < L, other=S)
+    row_hi = tl.load(RowHi + offs_m, mask=offs_m < L, other=-1)
+    lo = (tl.minimum(tl.min(row_lo, 0), S) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(tl.max(row_hi, 0) + 1, S)
+    return row_lo, row_hi, lo, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
+    row_lo, row_hi,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    FAST_MAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_MAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INTERVALS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
@@ -250,10 +265,10 @@ def _fwd_inner(
         cols = start_n + offs_n
         k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
         qk = _mm(q, tl.trans(k), IEEE)
-        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP:
+        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP or INTERVALS:
             s, _ = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, win_left,
-                                  win_right, cap_scale, cap_mult, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL, IEEE, WINDOW,
-                                  SOFTCAP)
+                                  win_right, cap_scale, cap_mult, row_lo, row_hi, CHECK_KEYS, CAUSAL, HAS_MASK,
+                                  MASK_BOOL, IEEE, WINDOW, SOFTCAP, INTERVALS)
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             # a row with every key masked so far keeps m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -283,7 +298,7 @@ def _fwd_inner(
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Mask,
+    Q, K, V, Out, Lse, Mask, RowLo, RowHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -292,7 +307,7 @@ def _attn_fwd_kernel(
     H, GROUP, L, S, D, DV, qk_scale, seed0, seed1, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, FAST_MAX: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
@@ -312,23 +327,31 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    if WINDOW:  # only the key blocks the window reaches, all of them masked
+    if INTERVALS:  # only the key blocks the rows' intervals reach, all of them masked
+        row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
+        full_hi = lo
+    elif WINDOW:  # only the key blocks the window reaches, all of them masked
         lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
         full_hi = lo
+        row_lo, row_hi = offs_m, offs_m
     else:
         full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
         lo = full_hi * 0
+        row_lo, row_hi = offs_m, offs_m
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, False, SOFTCAP, BLOCK_N,
+        row_lo, row_hi,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, False, SOFTCAP, False, BLOCK_N,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, WINDOW, SOFTCAP, BLOCK_N,
+        row_lo, row_hi,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, WINDOW, SOFTCAP, INTERVALS,
+        BLOCK_N,
     )
 
     # rows with every key masked have l = 0 and acc = 0: output 0, logsumexp +inf
@@ -376,10 +399,11 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
+    RowLo, RowHi,
     CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -411,6 +435,10 @@ def _bwd_dkdv_inner(
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
         if WINDOW:
             s_t = tl.where(_window_keep(offs_m[None, :], offs_n[:, None], win_left, win_right), s_t, float("-inf"))
+        if INTERVALS:
+            r_lo = tl.load(RowLo + offs_m, mask=offs_m < L, other=S)
+            r_hi = tl.load(RowHi + offs_m, mask=offs_m < L, other=-1)
+            s_t = tl.where((offs_n[:, None] >= r_lo[None, :]) & (offs_n[:, None] <= r_hi[None, :]), s_t, float("-inf"))
         if IEEE:
             lse_hi, lse_lo = _split_lse(lse)
             p_t = _exp((s_t - lse_hi[None, :]) - lse_lo[None, :], True)
@@ -446,7 +474,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS,
+    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, RowLo, RowHi, ColLo, ColHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -459,6 +487,7 @@ def _attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -496,6 +525,11 @@ def _attn_bwd_dkdv_kernel(
     m_hi = L + n0 * 0
     if win_left >= 0:
         m_hi = tl.minimum(m_hi, n0 + BLOCK_N + win_left)
+    if INTERVALS:  # the query blocks covering the keys' query intervals [col_lo, col_hi]
+        col_lo = tl.load(ColLo + offs_n, mask=offs_n < S, other=L)
+        col_hi = tl.load(ColHi + offs_n, mask=offs_n < S, other=-1)
+        m_lo = (tl.minimum(tl.min(col_lo, 0), L) // BLOCK_M) * BLOCK_M
+        m_hi = tl.minimum(tl.max(col_hi, 0) + 1, L)
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * H + h
@@ -505,13 +539,13 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
-        if WINDOW:
+        if WINDOW or INTERVALS:
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, True, SOFTCAP, BLOCK_M,
+                cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
             )
         else:
             if IS_CAUSAL:
@@ -520,22 +554,22 @@ def _attn_bwd_dkdv_kernel(
                     m_start, tl.minimum(m_mid, L),
                     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                    cap_mult, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+                    cap_mult, RowLo, RowHi, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
                 )
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+                cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, tl.maximum(m_mid, l_even), L,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, BLOCK_M,
+                cap_mult, RowLo, RowHi, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
 
     key_rows = offs_n[:, None] < S
@@ -556,9 +590,11 @@ def _bwd_dq_inner(
     dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
+    row_lo, row_hi,
     CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
-    DELTA_ONLY: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    DELTA_ONLY: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INTERVALS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block over key blocks [lo, hi); DELTA_ONLY: instead delta = sum_j P dP (``dq`` is then
     a (BLOCK_M,) row sum), with the very dP tiles the dQ pass forms."""
@@ -570,10 +606,10 @@ def _bwd_dq_inner(
         k = _load2d(k_ptrs, cols, S, offs_d, D, CHECK_KEYS, not EVEN_D)
         v = _load2d(v_ptrs, cols, S, offs_dv, DV, CHECK_KEYS, not EVEN_DV)
         qk = _mm(q, tl.trans(k), IEEE)
-        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP:
+        if CHECK_KEYS or CAUSAL or HAS_MASK or WINDOW or SOFTCAP or INTERVALS:
             s, t = _masked_scores(qk, qk_scale, mask_base, stride_mm, stride_mn, offs_m, cols, L, S, win_left,
-                                  win_right, cap_scale, cap_mult, CHECK_KEYS, CAUSAL, HAS_MASK, MASK_BOOL, IEEE, WINDOW,
-                                  SOFTCAP)
+                                  win_right, cap_scale, cap_mult, row_lo, row_hi, CHECK_KEYS, CAUSAL, HAS_MASK,
+                                  MASK_BOOL, IEEE, WINDOW, SOFTCAP, INTERVALS)
         else:
             s = qk * qk_scale
             t = qk
@@ -599,7 +635,7 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Mask,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, RowLo, RowHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -610,7 +646,7 @@ def _attn_bwd_dq_kernel(
     cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, DELTA_ONLY: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ of one query block; DELTA_ONLY: the pass before it, writing delta = sum_j P dP to Delta."""
@@ -640,23 +676,31 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if WINDOW:  # only the key blocks the window reaches, all of them masked
+    if INTERVALS:  # only the key blocks the rows' intervals reach, all of them masked
+        row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
+        full_hi = lo
+    elif WINDOW:  # only the key blocks the window reaches, all of them masked
         lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
         full_hi = lo
+        row_lo, row_hi = offs_m, offs_m
     else:
         full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
         lo = full_hi * 0
+        row_lo, row_hi = offs_m, offs_m
     dq = _bwd_dq_inner(
         dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
-        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, False, SOFTCAP, BLOCK_N,
+        row_lo, row_hi,
+        False, False, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, False, SOFTCAP, False, BLOCK_N,
     )
     dq = _bwd_dq_inner(
         dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
-        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, WINDOW, SOFTCAP, BLOCK_N,
+        row_lo, row_hi,
+        True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, WINDOW, SOFTCAP, INTERVALS,
+        BLOCK_N,
     )
     # if / else, not an early return: the compiler (unlike the interpreter) still builds the code after a
     # constexpr branch that returns, where dq is the (BLOCK_M,) delta
@@ -754,7 +798,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
+    softcap: float = 0.0, intervals: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) (+inf for fully-masked rows), float64 for
     fp32 inputs (m + log(l) unrounded), fp32 for 16-bit ones.
@@ -765,6 +809,9 @@ def attention_forward(
     the top 31 bits of its Philox word are >= threshold. ``out`` (any strides) and ``lse`` (contiguous):
     where to write, new tensors if None. ``window`` (left, right) and ``softcap``: as
     ``fusedlayers.functional.scaled_dot_product_attention``'s; key blocks outside the window are skipped.
+    ``intervals``: (row_lo, row_hi, col_lo, col_hi) int32: query row i attends keys [row_lo[i], row_hi[i]] only
+    (packed variable-length sequences, ``fusedlayers.ops.varlen_attention``), key j is attended by queries
+    [col_lo[j], col_hi[j]]; blocks outside are skipped.
     """
     B, H, L, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -780,14 +827,16 @@ def attention_forward(
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     bd, bdv = _head_block(D), _head_block(DV)
     grid = (cdiv(L, cfg.block_m), B * H)
+    row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     launch(_attn_fwd_kernel, grid,
-        q, k, v, out, lse, mask_t,
+        q, k, v, out, lse, mask_t, row_lo, row_hi,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
         H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), seed0, seed1, threshold, inv_keep,
         *_window_softcap_args(q.dtype, scale, window, softcap),
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32,
         FAST_MAX=q.dtype != torch.float32 and scale >= 0.0, WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0,
+        INTERVALS=intervals is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_DV=bdv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -799,6 +848,7 @@ def attention_backward(
     lse: torch.Tensor, mask: torch.Tensor | None, dropout: tuple[int, int, int, float] | None,
     is_causal: bool, scale: float, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
     ds: torch.Tensor | None, exact_delta: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    intervals: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Writes the gradients asked for into ``dq``, ``dk``, ``dv`` (any strides, shapes and dtypes of q, k,
     v) and ``ds`` (d(loss)/d(scores), (B, H, L, S) fp32 contiguous, for a float mask's gradient); None for
@@ -830,8 +880,9 @@ def attention_backward(
     common = dict(
         IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
-        WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0,
+        WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0, INTERVALS=intervals is not None,
     )
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (delta,) * 4
     scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
                *_window_softcap_args(q.dtype, scale, window, softcap))
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
@@ -839,7 +890,7 @@ def attention_backward(
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
         dq_t = dq if need_dq else q
         launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
-            q, k, v, grad_out, lse, delta, dq_t, mask_t, *strides, *dq_t.stride(), *scalars, **common,
+            q, k, v, grad_out, lse, delta, dq_t, mask_t, row_lo, row_hi, *strides, *dq_t.stride(), *scalars, **common,
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
@@ -848,14 +899,15 @@ def attention_backward(
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
             q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t,
-            ds if need_dmask else delta, *strides, *dk_t.stride(), *dv_t.stride(), *scalars,
+            ds if need_dmask else delta, row_lo, row_hi, col_lo, col_hi, *strides, *dk_t.stride(), *dv_t.stride(),
+            *scalars,
             COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
-            q, k, v, grad_out, lse, delta, dq, mask_t, *strides, *dq.stride(), *scalars, **common,
+            q, k, v, grad_out, lse, delta, dq, mask_t, row_lo, row_hi, *strides, *dq.stride(), *scalars, **common,
             DELTA_ONLY=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

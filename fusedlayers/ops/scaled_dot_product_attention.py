@@ -274,7 +274,7 @@ class _Blocks:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None,
                  dropout_p: float, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None):
         self.acc = _accumulator(q.dtype)
         B, H, L, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
@@ -284,6 +284,7 @@ class _Blocks:
         self.window, self.softcap = window, softcap
         # keys past the last one a window reaches (query L - 1 sees keys up to L - 1 + right) are never read
         self.key_end = S if window[1] < 0 else max(0, min(S, L + window[1]))
+        self.intervals = intervals  # (row_lo, row_hi, ...): query row i attends keys [row_lo[i], row_hi[i]]
         self.q = q.reshape(B, H_kv, G * L, D).to(self.acc)
         self.rows = torch.arange(G * L, device=q.device) % L  # query index of each grouped row
         # (B, H_kv, G, L, S) view of the expanded mask: a block of it is sliced per step (no full copy)
@@ -327,6 +328,9 @@ class _Blocks:
             s = s.masked_fill(cols[None, :] < self.rows[:, None] - left, float("-inf"))
         if right >= 0:
             s = s.masked_fill(cols[None, :] > self.rows[:, None] + right, float("-inf"))
+        if self.intervals is not None:
+            lo, hi = (t.to(torch.int64)[self.rows] for t in self.intervals[:2])
+            s = s.masked_fill((cols[None, :] < lo[:, None]) | (cols[None, :] > hi[:, None]), float("-inf"))
         return s, kb, vb, dcap
 
     def keep(self, n0: int, n1: int) -> Tensor:
@@ -337,10 +341,10 @@ class _Blocks:
 def attention_forward_reference(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None, dropout_p: float,
     is_causal: bool, scale: float, block_n: int = REFERENCE_BLOCK_N, window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
+    softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention-2 forward in PyTorch: online softmax over blocks of ``block_n`` keys."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals)
     B, H, L, DV = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     rows = (B, st.H_kv, st.G * L)
     m = torch.full(rows, float("-inf"), dtype=st.acc, device=q.device)
@@ -369,7 +373,7 @@ def attention_backward_reference(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     seed: Tensor | None, dropout_p: float, is_causal: bool, scale: float,
     need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool, block_n: int = REFERENCE_BLOCK_N,
-    window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """FlashAttention-2 backward in PyTorch: probabilities recomputed per key block from the logsumexp.
 
@@ -379,7 +383,7 @@ def attention_backward_reference(
     (fp16/bf16: 2**-11 / 2**-8), and where the softmax is nearly one-hot dP_ij - delta_i cancels, so that
     rounding would dominate dS (the kernels accept it for speed, as FlashAttention and torch's fused kernels
     do)."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals)
     B, H, L, D = q.shape
     H_kv, S, G = st.H_kv, st.S, st.G
     acc = st.acc

@@ -1,0 +1,160 @@
+"""fl.varlen_attention: packed variable-length sequences (FlashAttention's varlen layout) against attention spelled
+out per sequence (float64 reference; the parity rule against the same in the inputs' dtype), random length mixes with
+empty and length-1 sequences, causal (bottom-right), windows, soft-capping, GQA; the blockwise reference, the Triton
+kernels under the interpreter, and the GPU; opcheck and torch.compile; errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedlayers as fl
+from tests.parity import assert_parity
+from tests.test_scaled_dot_product_attention import BACKENDS
+
+
+def per_sequence(q, k, v, cu_q, cu_k, causal=False, window=(-1, -1), softcap=0.0):
+    """Each sequence on its own, as dense attention with explicit masks: bottom-right aligned (query i of L at key
+    i + S - L), rows with no key give 0; GQA by repeating K/V."""
+    outs = []
+    G = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(G, 0)
+        L, S = qs.shape[1], ks.shape[1]
+        s = qs @ ks.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if softcap > 0.0:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(L, device=q.device)[:, None] + S - L
+        j = torch.arange(S, device=q.device)[None, :]
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device)
+        if causal:
+            keep &= j <= i
+        if window[0] >= 0:
+            keep &= j >= i - window[0]
+        if window[1] >= 0:
+            keep &= j <= i + window[1]
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+        outs.append((p @ vs).transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+
+
+def packed(lens_q, lens_k, H, H_kv, D, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), H, D, generator=g).to(device, dtype)
+    k = torch.randn(sum(lens_k), H_kv, D, generator=g).to(device, dtype)
+    v = torch.randn(sum(lens_k), H_kv, D, generator=g).to(device, dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def random_lengths(n, most, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, most + 1, (n,), generator=g).tolist()
+    return [0, 1, *lens]  # an empty sequence and a single token always among them
+
+
+# (lengths of q, lengths of k or None = the same, H, H_kv, D, causal, window, softcap)
+CASES = [
+    (random_lengths(5, 40, 1), None, 4, 2, 16, False, (-1, -1), 0.0),
+    (random_lengths(5, 40, 2), None, 2, 2, 32, True, (-1, -1), 0.0),
+    ([5, 0, 37, 1, 19], [7, 3, 37, 1, 4], 4, 2, 16, True, (-1, -1), 0.0),  # L != S per sequence: bottom-right
+    (random_lengths(4, 50, 3), None, 2, 1, 16, True, (6, 0), 0.0),
+    (random_lengths(4, 50, 4), None, 2, 2, 16, False, (4, 9), 0.0),
+    (random_lengths(4, 30, 5), None, 3, 3, 16, False, (-1, -1), 2.5),
+    (random_lengths(4, 30, 6), None, 4, 4, 32, True, (10, -1), 1.5),
+]
+
+
+def check(case, dtype, device="cpu", backend="auto"):
+    lens_q, lens_k, H, H_kv, D, causal, window, softcap = case
+    lens_k = lens_k or lens_q
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, H, H_kv, D, dtype, device)
+    grad = torch.randn(q.shape[0], H, D, dtype=dtype, device=device)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+
+    def run(fn, *inputs):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        return out.detach(), torch.autograd.grad(out, leaves, grad.to(out.dtype))
+
+    with fl.use_backend(backend):
+        fused = run(lambda a, b, c: fl.varlen_attention(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                        is_causal=causal, window_size=window, softcap=softcap),
+                    q, k, v)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    stock = run(lambda a, b, c: per_sequence(a, b, c, cq, ck, **kw), q, k, v)
+    ref = run(lambda a, b, c: per_sequence(a, b, c, cq, ck, **kw), q.double(), k.double(), v.double())
+    for name, xf, xs, xr in zip(("output", "dq", "dk", "dv"), [fused[0], *fused[1]], [stock[0], *stock[1]],
+                                [ref[0], *ref[1]], strict=True):
+        assert xf.dtype == dtype and not xf.isnan().any(), name
+        assert_parity(xf, xs, xr, name)
+    return fused
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_matches_attention_per_sequence(case, dtype, backend):
+    if dtype == torch.float16 and backend == "reference":
+        pytest.skip("the reference computes fp16 in fp32 like the kernels; fp32 covers it")
+    check(case, dtype, backend=backend)
+
+
+def test_sequences_do_not_see_each_other():
+    """Changing one sequence's keys changes only its own rows."""
+    q, k, v, cu_q, cu_k = packed([6, 9, 4], [6, 9, 4], 2, 2, 8, torch.float32)
+    a = fl.varlen_attention(q, k, v, cu_q, cu_k, 9, 9)
+    k2 = k.clone()
+    k2[6:15] = torch.randn(9, 2, 8)  # the second sequence (a constant shift would cancel in the softmax)
+    b = fl.varlen_attention(q, k2, v, cu_q, cu_k, 9, 9)
+    assert torch.equal(a[:6], b[:6]) and torch.equal(a[15:], b[15:])
+    assert (a[6:15] - b[6:15]).abs().max() > 1e-3
+
+
+def test_op_checks_and_compile():
+    q, k, v, cu_q, cu_k = packed([5, 0, 11, 1], [5, 0, 11, 1], 2, 1, 8, torch.float32)
+    from fusedlayers.functional import _varlen_intervals
+
+    lens = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    intervals = _varlen_intervals(cu_q.long(), cu_k.long(), *lens, True, (-1, -1), q.shape[0], k.shape[0])
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *intervals, None, 0.0, 0.35, 0.0)
+    torch.library.opcheck(torch.ops.fusedlayers.varlen_attention, args)
+
+    def f(q_, k_, v_):
+        return fl.varlen_attention(q_, k_, v_, cu_q, cu_k, 11, 11, is_causal=True).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled_grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(eager_grads, compiled_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="query must be 3-D"):
+        fl.varlen_attention(q[None], k, v, cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        fl.varlen_attention(q, k, v, cu_q.long(), cu_k, 4, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0, never decrease and end at 7"):
+        fl.varlen_attention(q, k, v, cu_q, torch.tensor([0, 5, 6], dtype=torch.int32), 4, 4)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        fl.varlen_attention(q, k, v, cu_q, torch.tensor([0, 7], dtype=torch.int32), 4, 7)
+    with pytest.raises(ValueError, match=r"max_seqlen_q must be an int >= the longest sequence \(4\)"):
+        fl.varlen_attention(q, k, v, cu_q, cu_k, 3, 4)
+    with pytest.raises(ValueError, match=r"query heads \(2\) must be a multiple"):
+        fl.varlen_attention(q, k[:, :0], v[:, :0], cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        fl.varlen_attention(q, k, v, cu_q, cu_k, 4, 4, window_size=(2,))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_cuda_matches_attention_per_sequence(case, dtype):
+    check(case, dtype, device="cuda")
