@@ -213,6 +213,52 @@ class RandomWindows:
         pass
 
 
+def document_spans(tokens: np.ndarray, end_id: int, max_len: int) -> np.ndarray:
+    """(n, 2) [start, stop) of the documents of a token stream: each ends with (and includes) an ``end_id`` token (the
+    newline: a KJV verse, or a line of ``data.path``); documents longer than ``max_len`` are cut into pieces of
+    ``max_len`` tokens; pieces of fewer than 2 tokens (nothing to predict) are dropped."""
+    ends = np.flatnonzero(np.asarray(tokens) == end_id) + 1
+    bounds = np.unique(np.concatenate(([0], ends, [len(tokens)])))
+    starts, stops = bounds[:-1], bounds[1:]
+    pieces = [np.arange(a, b, max_len) for a, b in zip(starts, stops, strict=True)]
+    piece_starts = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    piece_stops = np.minimum(piece_starts + max_len, np.repeat(stops, [len(p) for p in pieces]))
+    spans = np.stack((piece_starts, piece_stops), 1)
+    return spans[spans[:, 1] - spans[:, 0] >= 2]
+
+
+class PackedDocuments(RandomWindows):
+    """Training batches of whole documents packed without padding (``data.pack=true``): batch ``g`` draws documents
+    at random (seeded by (seed, rank, g), so runs resume exactly, as RandomWindows) and packs them one after another
+    until the next would pass ``batch_size * block_size`` input tokens. Yields (x (1, N), y (1, N), cu_seqlens
+    (documents + 1,) int32): each document is its own sequence, x its tokens but the last, y the same shifted by one;
+    the model attends within documents only (``fl.varlen_attention``) and restarts positions at each one."""
+
+    def __init__(self, tokens: np.ndarray, end_id: int, block_size: int, batch_size: int, batches_per_epoch: int,
+                 seed: int, start: Callable[[], int], rank: int = 0) -> None:
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.batches_per_epoch, self.seed, self.start, self.rank = batches_per_epoch, seed, start, rank
+        self.spans = document_spans(tokens, end_id, block_size + 1)
+        if len(self.spans) == 0:
+            raise ValueError("data.pack=true: the training split has no document of 2 tokens or more")
+
+    def batch(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.rank, g])
+        budget = self.batch_size * self.block_size
+        chosen, used = [], 0
+        for i in rng.permutation(len(self.spans)):
+            a, b = self.spans[i]
+            if used + (b - a - 1) > budget:
+                break
+            chosen.append(self.tokens[a:b])
+            used += b - a - 1
+        lengths = np.array([len(d) - 1 for d in chosen], dtype=np.int64)
+        x = np.concatenate([d[:-1] for d in chosen]).astype(np.int64)
+        y = np.concatenate([d[1:] for d in chosen]).astype(np.int64)
+        cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        return torch.from_numpy(x)[None], torch.from_numpy(y)[None], torch.from_numpy(cu)
+
+
 class SequentialWindows(Dataset):
     """Validation: non-overlapping windows covering the split in order (at most ``max_windows``,
     evenly spread)."""
@@ -258,8 +304,12 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str = ".cache/data",
         num_workers: int = 0,
         seed: int = 1337,
+        pack: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(pack, bool):
+            raise ValueError(f"data.pack must be true or false, got {pack!r}")
+        self.pack = pack
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"unknown data.tokenizer={tokenizer!r}; valid names: {', '.join(TOKENIZERS)}")
         if not 0.0 < val_fraction < 1.0:
@@ -348,6 +398,10 @@ class TextDataModule(L.LightningDataModule):
         # share, so a run's data does not depend on how many processes share it
         dist = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         rank, world = (dist["rank"], dist["num_replicas"]) if dist else (0, 1)
+        if self.pack:  # whole documents (lines), each rank its own draw
+            end_id = self.tokenizer.encode("\n")[-1]
+            return PackedDocuments(self.train_tokens, end_id, self.block_size, self.batch_size,
+                                   self.batches_per_epoch, self.seed, self._batches_seen, rank=rank)
         return RandomWindows(
             self.train_tokens,
             self.block_size,

@@ -77,6 +77,26 @@ class GPTConfig:
         return asdict(self)
 
 
+class Documents:
+    """Packed documents in one row (``data.pack=true``): their cumulative lengths ``cu_seqlens`` (int32), each token's
+    position within its document, and causal attention within documents by ``fl.varlen_attention``."""
+
+    def __init__(self, cu_seqlens: Tensor, n_tokens: int) -> None:
+        self.cu_seqlens = cu_seqlens
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=n_tokens)
+        self.positions = torch.arange(n_tokens, device=cu_seqlens.device) - starts
+        self.longest = int(lengths.max()) if lengths.numel() and not torch.compiler.is_compiling() else n_tokens
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        """(1, H, N, D) q and (1, H_kv, N, D) k, v -> (1, H, N, D)."""
+        import fusedlayers as fl
+
+        y = fl.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
+                                self.cu_seqlens, self.longest, self.longest, dropout_p=dropout_p, is_causal=True)
+        return y.transpose(0, 1)[None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -89,12 +109,17 @@ class CausalSelfAttention(nn.Module):
         self.attend = ATTENTION.get(cfg.attention)
         self.softmax = SOFTMAX.get(cfg.softmax)
 
-    def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
+    def forward(self, x: Tensor, pos: nn.Module, docs: Documents | None = None) -> Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, C // self.n_head).transpose(1, 2)
         q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, heads, T, D) views
-        q, k = pos.rotate(q, k)
-        y = self.attend(q, k, v, self.dropout if self.training else 0.0, self.softmax)  # (B, H, T, D)
+        dropout = self.dropout if self.training else 0.0
+        if docs is None:
+            q, k = pos.rotate(q, k)
+            y = self.attend(q, k, v, dropout, self.softmax)  # (B, H, T, D)
+        else:  # packed documents (B = 1): positions restart in each, attention stays within each
+            q, k = pos.rotate(q, k, docs.positions)
+            y = docs.attend(q, k, v, dropout)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
@@ -106,8 +131,8 @@ class Block(nn.Module):
         self.ln_2 = NORM.get(cfg.norm)(cfg)
         self.mlp = MLP.get(cfg.mlp)(cfg)
 
-    def forward(self, x: Tensor, pos: nn.Module) -> Tensor:
-        h, x = self.ln_2(self.attn(self.ln_1(x), pos), residual=x)  # x += attn(...); h = ln_2(x)
+    def forward(self, x: Tensor, pos: nn.Module, docs: Documents | None = None) -> Tensor:
+        h, x = self.ln_2(self.attn(self.ln_1(x), pos, docs), residual=x)  # x += attn(...); h = ln_2(x)
         return x + self.mlp(h)
 
 
@@ -147,24 +172,37 @@ class GPT(nn.Module):
             n -= sum(p.numel() for name, p in self.named_parameters() if name.startswith("pos."))
         return n
 
-    def hidden(self, idx: Tensor) -> Tensor:
+    def supports_packing(self) -> bool:
+        """Packed documents (``forward(..., cu_seqlens=...)``) run through ``fl.varlen_attention``: the custom
+        attention choice."""
+        return self.config.attention == "custom"
+
+    def hidden(self, idx: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """Final hidden states (B, T, C) after ln_f."""
         T = idx.shape[1]
-        if T > self.config.block_size:
+        docs = None
+        if cu_seqlens is not None:
+            if idx.shape[0] != 1 or not self.supports_packing():
+                raise ValueError("packed documents (cu_seqlens) need idx of shape (1, N) and model.attention=custom")
+            docs = Documents(cu_seqlens, T)
+        elif T > self.config.block_size:
             raise ValueError(f"sequence length {T} is longer than model.block_size={self.config.block_size}")
-        x = self.drop(self.pos.embed(self.wte(idx)))
+        x = self.drop(self.pos.embed(self.wte(idx), None if docs is None else docs.positions))
         for block in self.blocks:
-            x = block(x, self.pos)
+            x = block(x, self.pos, docs)
         return self.ln_f(x)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, *, last_only: bool = False) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, last_only: bool = False,
+                cu_seqlens: Tensor | None = None) -> Tensor:
         """With ``targets`` (B, T): the mean cross-entropy loss (positions with target -100 ignored; the
         ``fused_linear`` loss never materialises the logits). Without: the logits (B, T, vocab), or with
-        ``last_only`` those of the last position (B, 1, vocab).
+        ``last_only`` those of the last position (B, 1, vocab). ``cu_seqlens``: idx (1, N) holds documents packed one
+        after another ([cu_seqlens[i], cu_seqlens[i + 1]) each, int32, ``data.pack=true``): each attends only within
+        itself, positions restarting at 0 (``model.attention=custom``).
 
         The LM-head weight (the token embedding) is read here, inside ``forward``: under FSDP (``shard``) the
         root unit gathers it for the duration of this call, so the loss gets the full weight."""
-        h = self.hidden(idx)
+        h = self.hidden(idx, cu_seqlens)
         if targets is None:
             return F.linear(h[:, -1:] if last_only else h, self.lm_head_weight)
         C = h.shape[-1]

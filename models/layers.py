@@ -15,8 +15,9 @@ Interfaces (all tensors (B, H, T, D) for attention):
 - ``CHECKPOINT[name](block) -> nn.Module``: the transformer block, wrapped for activation checkpointing
   (``fl.CheckpointedBlock`` keeps the block's parameter names); ``selective`` keeps matmul/attention outputs
   and attention probabilities and recomputes the cheap ops.
-- ``POSITION[name](config) -> nn.Module`` with ``embed(x)`` (add position information to token
-  embeddings (B, T, C)) and ``rotate(q, k)`` (apply it to queries (B, H, T, D) and keys (B, H_kv, T, D)).
+- ``POSITION[name](config) -> nn.Module`` with ``embed(x, positions=None)`` (add position information to token
+  embeddings (B, T, C)) and ``rotate(q, k, positions=None)`` (apply it to queries (B, H, T, D) and keys
+  (B, H_kv, T, D)); ``positions`` (T,): each token's position when not 0..T-1 (packed documents).
 - ``NORM[name](config) -> nn.Module`` with parameters ``weight`` (and ``bias`` for LayerNorm with
   ``model.bias``) and ``forward(x, residual=None)``; with a residual it returns ``(norm(x + residual),
   x + residual)``: the pre-norm block's residual add, one kernel in the fused choices.
@@ -146,10 +147,10 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
 
-    def embed(self, x: Tensor) -> Tensor:
-        return x + self.wpe(torch.arange(x.shape[1], device=x.device))
+    def embed(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        return x + self.wpe(torch.arange(x.shape[1], device=x.device) if positions is None else positions)
 
-    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return q, k
 
 
@@ -168,26 +169,30 @@ class RotaryPositions(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def embed(self, x: Tensor) -> Tensor:
+    def embed(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         return x
 
-    def _rot(self, x: Tensor) -> Tensor:
-        T = x.shape[-2]
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+    def cos_sin(self, T: int, positions: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin (T, D/2) of each position: 0..T-1, or ``positions`` (packed documents restart at 0)."""
+        if positions is None:
+            return self.cos[:T].to(dtype), self.sin[:T].to(dtype)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def _rot(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
-    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return self._rot(q), self._rot(k)
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[-2], positions, q.dtype)
+        return self._rot(q, cos, sin), self._rot(k, cos, sin)
 
 
 @POSITION.register("fused_rotary")
 class FusedRotaryPositions(RotaryPositions):
     """The same rotation by ``fl.rotary_embedding``: q and k in one kernel, forward and backward."""
 
-    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        T = q.shape[-2]
-        cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, D/2): cos/sin of each pair
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[-2], positions, q.dtype)  # (T, D/2): cos/sin of each pair
         return _fl().rotary_embedding(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
 
 

@@ -158,8 +158,8 @@ class GPTLitModule(L.LightningModule):
         return self.model(idx, targets)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.model(x, y)
+        x, y, *packed = batch  # data.pack=true adds the documents' cumulative lengths
+        loss = self.model(x, y, cu_seqlens=packed[0]) if packed else self.model(x, y)
         self.train_loss.update(loss.detach(), (y != -100).sum())
         if (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0 or self.trainer.fast_dev_run:
             self.last_train_loss = float(self.train_loss.compute())

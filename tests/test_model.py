@@ -364,3 +364,68 @@ def test_stock_paths_do_not_import_fusedlayers() -> None:
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("position", ["learned", "rotary", "fused_rotary"])
+def test_packed_documents_equal_each_document_alone(arch: str, position: str) -> None:
+    """data.pack=true: documents packed in one row (cu_seqlens) give the loss and gradients of the stock model run on
+    each document by itself (positions from 0, no attention across documents), token-weighted (float64)."""
+    torch.manual_seed(0)
+    cfg = {**ARCHS[arch], "position": position}
+    packed = GPT(GPTConfig(**{**cfg, "attention": "custom"})).double()
+    stock = GPT(GPTConfig(**{**cfg, "attention": "stock"})).double()
+    stock.load_state_dict(packed.state_dict())
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 37, (n + 1,), generator=g) for n in (5, 1, 16, 9)]  # up to block_size tokens each
+    x = torch.cat([d[:-1] for d in docs])[None]
+    y = torch.cat([d[1:] for d in docs])[None]
+    cu = torch.tensor([0, *torch.tensor([len(d) - 1 for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
+    loss_p, grads_p = _loss_and_grads_packed(packed, x, y, cu)
+    stock.zero_grad(set_to_none=True)
+    n_tokens = sum(len(d) - 1 for d in docs)
+    loss_s = sum(stock(d[None, :-1], d[None, 1:]) * (len(d) - 1) for d in docs) / n_tokens
+    loss_s.backward()
+    torch.testing.assert_close(loss_p, loss_s.detach(), rtol=1e-10, atol=1e-12)
+    for n, p in stock.named_parameters():
+        torch.testing.assert_close(grads_p[n], p.grad, rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    # the boundaries matter: with the first two documents taken as one, the loss changes
+    merged = torch.cat((cu[:1], cu[2:]))
+    assert (packed(x, y, cu_seqlens=merged) - loss_p).abs() > 1e-6
+
+
+def _loss_and_grads_packed(model, x, y, cu):
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y, cu_seqlens=cu)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_packing_needs_the_custom_attention() -> None:
+    model = GPT(GPTConfig(**SMALL))
+    with pytest.raises(ValueError, match="model.attention=custom"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long),
+              cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+def test_packed_documents_batches() -> None:
+    """Whole documents (lines ending in the newline token), packed within the token budget, a function of the batch
+    index; documents longer than block_size + 1 are cut."""
+    from models.data import PackedDocuments, document_spans
+
+    nl = 0
+    lengths = [4, 1, 9, 30, 2, 6, 3]  # tokens before each newline
+    tokens = np.concatenate([np.concatenate((np.arange(1, n + 1), [nl])) for n in lengths]).astype(np.uint16)
+    spans = document_spans(tokens, nl, 8)
+    assert (spans[:, 1] - spans[:, 0]).max() <= 8 and (spans[:, 1] - spans[:, 0]).min() >= 2
+    assert spans[0].tolist() == [0, 5] and spans[1].tolist() == [5, 7]  # "1 2 3 4 \n", "1 \n"
+    assert tokens[spans[:, 1] - 1].tolist().count(nl) == len(lengths)  # every line's end closes a piece
+    data = PackedDocuments(tokens, nl, block_size=7, batch_size=2, batches_per_epoch=3, seed=5, start=lambda: 0)
+    x, y, cu = data.batch(4)
+    assert x.shape == y.shape and x.shape[0] == 1 and x.shape[1] <= 2 * 7 and cu[-1] == x.shape[1]
+    docs = {tuple(tokens[a:b].tolist()) for a, b in spans}
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        assert (x[0, a].item(), *y[0, a:b].tolist()) in docs  # x and y of one whole document
+        assert torch.equal(x[0, a + 1:b], y[0, a:b - 1])
+    assert all(torch.equal(p, q) for p, q in zip(data.batch(4), (x, y, cu), strict=True))
+    assert not torch.equal(data.batch(5)[0], x) or not torch.equal(data.batch(6)[0], x)

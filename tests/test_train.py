@@ -46,7 +46,7 @@ CHOICES = [[f"model.{k}={n}"] for k, r in REGISTRIES.items() for n in r.names()]
 CHOICES.append(["model.quant=int8", "model.quant_act_bits=8"])  # with activation fake-quant
 LLAMA_FUSED = ["model.norm=fused_rmsnorm", "model.mlp=fused_swiglu", "model.position=fused_rotary",
                "model.attention=custom", "model.loss=fused_linear"]
-CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED]]
+CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED], ["data.pack=true", "model.attention=custom"]]
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +160,11 @@ def test_resume_is_exact_and_seeded_runs_repeat(tmp_path, cache_dir) -> None:
     assert again["val_history"] == full["val_history"]
     other = train(make_cfg(tmp_path / "other", cache_dir, *common, "seed=7"))
     assert other["val_history"] != full["val_history"]
+
+
+def test_packing_needs_the_custom_attention(tmp_path, cache_dir) -> None:
+    with pytest.raises(ValueError, match="data.pack=true .* needs the GPT with model.attention=custom"):
+        train(make_cfg(tmp_path, cache_dir, "trainer.fast_dev_run=true", "data.pack=true"))
 
 
 def test_stock_checkpoint_resumes_with_fused_layers(tmp_path, cache_dir) -> None:

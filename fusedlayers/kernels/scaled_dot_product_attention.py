@@ -223,15 +223,16 @@ def _key_range(S, m0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _window_key_range(S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+def _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
-    """[lo, hi): the key blocks a window reaches from the query block at m0 (the others are skipped, not masked)."""
+    """[lo, hi): the key blocks the window of the query block's rows reaches (rows past L excluded; the other blocks
+    are skipped, not masked)."""
     lo = m0 * 0
     if win_left >= 0:
         lo = (tl.maximum(m0 - win_left, 0) // BLOCK_N) * BLOCK_N
     hi = S + m0 * 0
     if win_right >= 0:
-        hi = tl.minimum(hi, m0 + BLOCK_M + win_right)
+        hi = tl.minimum(hi, tl.minimum(m0 + BLOCK_M, L) + win_right)
     if IS_CAUSAL:
         hi = tl.minimum(hi, m0 + BLOCK_M)
     return lo, hi
@@ -331,7 +332,7 @@ def _attn_fwd_kernel(
         row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
         full_hi = lo
     elif WINDOW:  # only the key blocks the window reaches, all of them masked
-        lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
         full_hi = lo
         row_lo, row_hi = offs_m, offs_m
     else:
@@ -523,8 +524,8 @@ def _attn_bwd_dkdv_kernel(
     if IS_CAUSAL:
         m_lo = tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M)
     m_hi = L + n0 * 0
-    if win_left >= 0:
-        m_hi = tl.minimum(m_hi, n0 + BLOCK_N + win_left)
+    if win_left >= 0:  # keys past S excluded
+        m_hi = tl.minimum(m_hi, tl.minimum(n0 + BLOCK_N, S) + win_left)
     if INTERVALS:  # the query blocks covering the keys' query intervals [col_lo, col_hi]
         col_lo = tl.load(ColLo + offs_n, mask=offs_n < S, other=L)
         col_hi = tl.load(ColHi + offs_n, mask=offs_n < S, other=-1)
@@ -680,7 +681,7 @@ def _attn_bwd_dq_kernel(
         row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
         full_hi = lo
     elif WINDOW:  # only the key blocks the window reaches, all of them masked
-        lo, hi = _window_key_range(S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
         full_hi = lo
         row_lo, row_hi = offs_m, offs_m
     else:
