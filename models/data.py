@@ -232,18 +232,29 @@ class PackedDocuments(RandomWindows):
     at random (seeded by (seed, rank, g), so runs resume exactly, as RandomWindows) and packs them one after another
     until the next would pass ``batch_size * block_size`` input tokens. Yields (x (1, N), y (1, N), cu_seqlens
     (documents + 1,) int32): each document is its own sequence, x its tokens but the last, y the same shifted by one;
-    the model attends within documents only (``fl.varlen_attention``) and restarts positions at each one."""
+    the model attends within documents only (``fl.varlen_attention``) and restarts positions at each one.
+
+    ``pad=True`` (``data.pack=pad``, the baseline packing is measured against): ``batch_size`` documents, one per row
+    of ``block_size`` tokens, padded (targets -100 past each document's end): (x (B, T), y (B, T))."""
 
     def __init__(self, tokens: np.ndarray, end_id: int, block_size: int, batch_size: int, batches_per_epoch: int,
-                 seed: int, start: Callable[[], int], rank: int = 0) -> None:
+                 seed: int, start: Callable[[], int], rank: int = 0, pad: bool = False) -> None:
+        self.pad = pad
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.batches_per_epoch, self.seed, self.start, self.rank = batches_per_epoch, seed, start, rank
         self.spans = document_spans(tokens, end_id, block_size + 1)
         if len(self.spans) == 0:
             raise ValueError("data.pack=true: the training split has no document of 2 tokens or more")
 
-    def batch(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, g: int) -> tuple[torch.Tensor, ...]:
         rng = np.random.default_rng([self.seed, self.rank, g])
+        if self.pad:
+            x = torch.zeros(self.batch_size, self.block_size, dtype=torch.int64)
+            y = torch.full((self.batch_size, self.block_size), -100, dtype=torch.int64)
+            for row, i in enumerate(rng.integers(0, len(self.spans), size=self.batch_size)):
+                doc = torch.from_numpy(self.tokens[self.spans[i, 0]:self.spans[i, 1]].astype(np.int64))
+                x[row, :len(doc) - 1], y[row, :len(doc) - 1] = doc[:-1], doc[1:]
+            return x, y
         budget = self.batch_size * self.block_size
         chosen, used = [], 0
         for i in rng.permutation(len(self.spans)):
@@ -304,11 +315,11 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str = ".cache/data",
         num_workers: int = 0,
         seed: int = 1337,
-        pack: bool = False,
+        pack: bool | str = False,
     ) -> None:
         super().__init__()
-        if not isinstance(pack, bool):
-            raise ValueError(f"data.pack must be true or false, got {pack!r}")
+        if pack not in (True, False, "pad"):
+            raise ValueError(f"data.pack must be true, false or pad, got {pack!r}")
         self.pack = pack
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"unknown data.tokenizer={tokenizer!r}; valid names: {', '.join(TOKENIZERS)}")
@@ -401,7 +412,8 @@ class TextDataModule(L.LightningDataModule):
         if self.pack:  # whole documents (lines), each rank its own draw
             end_id = self.tokenizer.encode("\n")[-1]
             return PackedDocuments(self.train_tokens, end_id, self.block_size, self.batch_size,
-                                   self.batches_per_epoch, self.seed, self._batches_seen, rank=rank)
+                                   self.batches_per_epoch, self.seed, self._batches_seen, rank=rank,
+                                   pad=self.pack == "pad")
         return RandomWindows(
             self.train_tokens,
             self.block_size,

@@ -124,7 +124,7 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
         sample=OmegaConf.to_container(cfg.sample, resolve=True),
         tokenizer=dm.tokenizer.to_json(),
     )
-    if dm.pack and not getattr(module.model, "supports_packing", lambda: False)():
+    if dm.pack is True and not getattr(module.model, "supports_packing", lambda: False)():
         raise ValueError("data.pack=true trains on packed documents through fl.varlen_attention: it needs the GPT "
                          f"with model.attention=custom (got model.attention={cfg.model.get('attention')!r}"
                          f"{', an HF model' if 'arch' in cfg.model else ''})")

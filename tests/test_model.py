@@ -429,3 +429,12 @@ def test_packed_documents_batches() -> None:
         assert torch.equal(x[0, a + 1:b], y[0, a:b - 1])
     assert all(torch.equal(p, q) for p, q in zip(data.batch(4), (x, y, cu), strict=True))
     assert not torch.equal(data.batch(5)[0], x) or not torch.equal(data.batch(6)[0], x)
+    # the padded baseline: one document per row, targets -100 past its end
+    padded = PackedDocuments(tokens, nl, block_size=7, batch_size=3, batches_per_epoch=3, seed=5, start=lambda: 0,
+                             pad=True)
+    x, y = padded.batch(0)
+    assert x.shape == y.shape == (3, 7)
+    for row in range(3):
+        n = int((y[row] != -100).sum())
+        assert n >= 1 and (y[row, n:] == -100).all() and torch.equal(x[row, 1:n], y[row, :n - 1])
+        assert (x[row, 0].item(), *y[row, :n].tolist()) in docs

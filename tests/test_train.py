@@ -46,7 +46,8 @@ CHOICES = [[f"model.{k}={n}"] for k, r in REGISTRIES.items() for n in r.names()]
 CHOICES.append(["model.quant=int8", "model.quant_act_bits=8"])  # with activation fake-quant
 LLAMA_FUSED = ["model.norm=fused_rmsnorm", "model.mlp=fused_swiglu", "model.position=fused_rotary",
                "model.attention=custom", "model.loss=fused_linear"]
-CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED], ["data.pack=true", "model.attention=custom"]]
+CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED],
+            ["data.pack=true", "model.attention=custom"], ["data.pack=pad"]]
 
 
 @pytest.fixture(scope="session")
