@@ -6,6 +6,7 @@ kernels under the interpreter, and the GPU; opcheck and torch.compile; errors.""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -158,3 +159,30 @@ def test_bad_input_names_the_argument():
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_cuda_matches_attention_per_sequence(case, dtype):
     check(case, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])
+def test_reference_in_small_chunks(case, monkeypatch):
+    """The reference's query chunks (each against the keys its rows' intervals span) add up to the same result when
+    they are small: chunk boundaries inside sequences, keys shared by several chunks."""
+    from fusedlayers.ops import scaled_dot_product_attention as attn_ops
+
+    monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 8)
+    check(case, torch.float64, backend="reference")
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="needs TRITON_INTERPRET=1 (CPU runs)")
+def test_dropout_mask_is_the_kernels(monkeypatch):
+    """With dropout the reference (in chunks) and the kernels apply the same keep mask: the same result."""
+    from fusedlayers.ops import scaled_dot_product_attention as attn_ops
+
+    monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 16)
+    q, k, v, cu_q, cu_k = packed([20, 0, 45, 1, 30], [20, 0, 45, 1, 30], 2, 1, 16, torch.float32)
+    outs = []
+    for backend in ("reference", "triton"):
+        torch.manual_seed(7)
+        with fl.use_backend(backend):
+            outs.append(fl.varlen_attention(q, k, v, cu_q, cu_k, 45, 45, dropout_p=0.3, is_causal=True))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.manual_seed(8)
+    assert (fl.varlen_attention(q, k, v, cu_q, cu_k, 45, 45, dropout_p=0.3, is_causal=True) - outs[0]).abs().max() > 0

@@ -274,8 +274,11 @@ class _Blocks:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None,
                  dropout_p: float, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None):
+                 softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None, offsets: tuple[int, int] = (0, 0)):
         self.acc = _accumulator(q.dtype)
+        # (first query row, first key) of this piece of a larger problem (the varlen reference's chunks): the key
+        # intervals hold absolute key indices, and the dropout mask hashes absolute (row, key) as the kernels do
+        self.row0, self.col0 = offsets
         B, H, L, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H // H_kv
@@ -296,7 +299,7 @@ class _Blocks:
             hk = torch.arange(H_kv, device=q.device).view(1, H_kv, 1, 1)
             g = (torch.arange(G * L, device=q.device) // L).view(1, 1, G * L, 1)
             self.bh = b * H + hk * G + g  # b * H + h of each grouped row
-            self.rows_i64 = self.rows.view(1, 1, G * L, 1)
+            self.rows_i64 = self.rows.view(1, 1, G * L, 1) + self.row0
 
     def blocks(self, block_n: int):
         for n0 in range(0, self.key_end, block_n):
@@ -329,22 +332,22 @@ class _Blocks:
         if right >= 0:
             s = s.masked_fill(cols[None, :] > self.rows[:, None] + right, float("-inf"))
         if self.intervals is not None:
-            lo, hi = (t.to(torch.int64)[self.rows] for t in self.intervals[:2])
+            lo, hi = (t.to(torch.int64)[self.rows] - self.col0 for t in self.intervals[:2])
             s = s.masked_fill((cols[None, :] < lo[:, None]) | (cols[None, :] > hi[:, None]), float("-inf"))
         return s, kb, vb, dcap
 
     def keep(self, n0: int, n1: int) -> Tensor:
-        cols = torch.arange(n0, n1, device=self.q.device).view(1, 1, 1, n1 - n0)
+        cols = torch.arange(n0, n1, device=self.q.device).view(1, 1, 1, n1 - n0) + self.col0
         return philox_keep(self.seed0, self.seed1, self.rows_i64, cols, self.bh, self.threshold)
 
 
 def attention_forward_reference(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seed: Tensor | None, dropout_p: float,
     is_causal: bool, scale: float, block_n: int = REFERENCE_BLOCK_N, window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None,
+    softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None, offsets: tuple[int, int] = (0, 0),
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention-2 forward in PyTorch: online softmax over blocks of ``block_n`` keys."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals, offsets)
     B, H, L, DV = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     rows = (B, st.H_kv, st.G * L)
     m = torch.full(rows, float("-inf"), dtype=st.acc, device=q.device)
@@ -374,6 +377,7 @@ def attention_backward_reference(
     seed: Tensor | None, dropout_p: float, is_causal: bool, scale: float,
     need_dq: bool, need_dk: bool, need_dv: bool, need_dmask: bool, block_n: int = REFERENCE_BLOCK_N,
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None,
+    offsets: tuple[int, int] = (0, 0),
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """FlashAttention-2 backward in PyTorch: probabilities recomputed per key block from the logsumexp.
 
@@ -383,7 +387,7 @@ def attention_backward_reference(
     (fp16/bf16: 2**-11 / 2**-8), and where the softmax is nearly one-hot dP_ij - delta_i cancels, so that
     rounding would dominate dS (the kernels accept it for speed, as FlashAttention and torch's fused kernels
     do)."""
-    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals)
+    st = _Blocks(q, k, v, mask, seed, dropout_p, is_causal, scale, window, softcap, intervals, offsets)
     B, H, L, D = q.shape
     H_kv, S, G = st.H_kv, st.S, st.G
     acc = st.acc

@@ -15,7 +15,8 @@ varlen_attention`` turns the cumulative lengths (and causal / window) into key i
 The attention kernels of ``fusedlayers.kernels.scaled_dot_product_attention`` run them (their INTERVALS mode: the
 packed tensors seen as one batch row of total_q queries and total_k keys, through strides, never copied), blocks no
 row's interval reaches skipped; float64, or CPU tensors without the interpreter, run the blockwise PyTorch reference
-of the same module with the same intervals. Dropout, GQA, soft-capping, deterministic backward: as the dense op.
+of the same module with the same intervals, chunk by chunk of queries against the keys their intervals span.
+Dropout, GQA, soft-capping, deterministic backward: as the dense op.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def _dense(t: Tensor) -> Tensor:
 
 def _drop(seed: Tensor | None, dropout_p: float):
     return attn.dropout_params(seed, dropout_p) if seed is not None and dropout_p > 0.0 else None
+
+
+def _chunks(row_lo: Tensor, row_hi: Tensor, total_q: int):
+    """The reference's pieces: query rows [m0, m1) in chunks of REFERENCE_BLOCK_N and the keys [k0, k1) their
+    intervals span (k1 <= k0: none), so that no work goes to keys no row of the chunk may see."""
+    lo, hi = row_lo.tolist(), row_hi.tolist()
+    for m0 in range(0, total_q, attn.REFERENCE_BLOCK_N):
+        m1 = min(total_q, m0 + attn.REFERENCE_BLOCK_N)
+        yield m0, m1, min(lo[m0:m1]), max(hi[m0:m1]) + 1
 
 
 def _new_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,10 +68,18 @@ def varlen_attention(
         attn.kernels.attention_forward(q4, k4, v4, None, _drop(seed, dropout_p), False, scale, _dense(out),
                                        lse.unsqueeze(0), softcap=softcap, intervals=intervals)
         return out, lse
-    out_r, lse_r = attn.attention_forward_reference(q4, k4, v4, None, seed, dropout_p, False, scale, softcap=softcap,
-                                                    intervals=intervals)
-    _dense(out).copy_(out_r)
-    return out, lse_r[0]
+    out4 = _dense(out)
+    for m0, m1, k0, k1 in _chunks(row_lo, row_hi, query.shape[0]):
+        if k1 <= k0:  # no row of the chunk sees a key
+            out4[:, :, m0:m1].zero_()
+            lse[:, m0:m1] = float("inf")
+            continue
+        out_r, lse_r = attn.attention_forward_reference(
+            q4[:, :, m0:m1], k4[:, :, k0:k1], v4[:, :, k0:k1], None, seed, dropout_p, False, scale, softcap=softcap,
+            intervals=(row_lo[m0:m1], row_hi[m0:m1]), offsets=(m0, k0))
+        out4[:, :, m0:m1] = out_r
+        lse[:, m0:m1] = lse_r[0]
+    return out, lse
 
 
 @varlen_attention.register_fake
@@ -114,13 +132,24 @@ def varlen_attention_backward(
             query.dtype == torch.float32, softcap=softcap, intervals=intervals,
         )
         return dq, dk, dv
-    grads = attn.attention_backward_reference(
-        _dense(grad_out), q4, k4, v4, _dense(out), lse.unsqueeze(0), None, seed, dropout_p, False, scale,
-        need_dq, need_dk, need_dv, False, softcap=softcap, intervals=intervals,
-    )
-    for dst, g in zip((dq, dk, dv), grads[:3], strict=True):
-        if g is not None:
-            _dense(dst).copy_(g)
+    dq4, dk4, dv4 = (_dense(t) if need else None for t, need in ((dq, need_dq), (dk, need_dk), (dv, need_dv)))
+    for t in (dq4, dk4, dv4):
+        if t is not None:
+            t.zero_()
+    g4, o4, lse4 = _dense(grad_out), _dense(out), lse.unsqueeze(0)
+    for m0, m1, k0, k1 in _chunks(row_lo, row_hi, query.shape[0]):
+        if k1 <= k0:
+            continue
+        gq, gk, gv, _ = attn.attention_backward_reference(
+            g4[:, :, m0:m1], q4[:, :, m0:m1], k4[:, :, k0:k1], v4[:, :, k0:k1], o4[:, :, m0:m1], lse4[:, :, m0:m1],
+            None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, softcap=softcap,
+            intervals=(row_lo[m0:m1], row_hi[m0:m1]), offsets=(m0, k0))
+        if need_dq:
+            dq4[:, :, m0:m1] = gq
+        if need_dk:  # the chunks' query rows all add into the keys they saw
+            dk4[:, :, k0:k1] += gk
+        if need_dv:
+            dv4[:, :, k0:k1] += gv
     return dq, dk, dv
 
 
