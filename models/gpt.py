@@ -34,6 +34,7 @@ class GPTConfig:
     norm: str = "layernorm"
     mlp: str = "gelu"
     mlp_hidden: int | None = None  # None: 4 * n_embd (gelu), 8/3 * n_embd rounded up to 64 (swiglu)
+    window: int | None = None  # sliding-window attention: each token sees itself and the `window` tokens before it
     attention: str = "stock"
     softmax: str = "stock"
     loss: str = "stock"
@@ -54,6 +55,10 @@ class GPTConfig:
         value = self.mlp_hidden
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"model.mlp_hidden must be a positive int or null, got {value!r}")
+        value = self.window
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"model.window must be an int >= 0 (keys before each token it sees) or null, got "
+                             f"{value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
@@ -88,12 +93,13 @@ class Documents:
         self.positions = torch.arange(n_tokens, device=cu_seqlens.device) - starts
         self.longest = int(lengths.max()) if lengths.numel() and not torch.compiler.is_compiling() else n_tokens
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        """(1, H, N, D) q and (1, H_kv, N, D) k, v -> (1, H, N, D)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window: int | None = None) -> Tensor:
+        """(1, H, N, D) q and (1, H_kv, N, D) k, v -> (1, H, N, D); ``window``: model.window."""
         import fusedlayers as fl
 
         y = fl.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
-                                self.cu_seqlens, self.longest, self.longest, dropout_p=dropout_p, is_causal=True)
+                                self.cu_seqlens, self.longest, self.longest, dropout_p=dropout_p, is_causal=True,
+                                window_size=(-1, -1) if window is None else (window, 0))
         return y.transpose(0, 1)[None]
 
 
@@ -107,6 +113,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
         self.attend = ATTENTION.get(cfg.attention)
+        self.window = cfg.window
         self.softmax = SOFTMAX.get(cfg.softmax)
 
     def forward(self, x: Tensor, pos: nn.Module, docs: Documents | None = None) -> Tensor:
@@ -116,10 +123,10 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if docs is None:
             q, k = pos.rotate(q, k)
-            y = self.attend(q, k, v, dropout, self.softmax)  # (B, H, T, D)
+            y = self.attend(q, k, v, dropout, self.softmax, self.window)  # (B, H, T, D)
         else:  # packed documents (B = 1): positions restart in each, attention stays within each
             q, k = pos.rotate(q, k, docs.positions)
-            y = docs.attend(q, k, v, dropout)
+            y = docs.attend(q, k, v, dropout, self.window)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 

@@ -6,7 +6,8 @@ the fused ones import ``fusedlayers`` lazily (on first call), so the stock paths
 Interfaces (all tensors (B, H, T, D) for attention):
 
 - ``SOFTMAX[name](scores, scale) -> probs``: causal (top-left) ``softmax(scores * scale)`` over the last dim.
-- ``ATTENTION[name](q, k, v, dropout_p, softmax) -> y``: causal attention; ``softmax`` is the
+- ``ATTENTION[name](q, k, v, dropout_p, softmax, window=None) -> y``: causal attention (``window`` w: each query
+  sees itself and the w keys before it, ``model.window``); ``softmax`` is the
   ``SOFTMAX`` choice (only the ``stock`` attention, which spells the math out, uses it).
 - ``LOSS[name](hidden (N, C), weight (V, C), targets (N,), label_smoothing) -> mean loss``: cross entropy of
   ``hidden @ weight.T`` against ``targets`` (``-100`` = ignore).
@@ -85,12 +86,22 @@ SOFTMAX.register("custom")(
 # ------------------------------------------------------------------------------------------- attention
 # k and v may have fewer heads than q (grouped-query attention): query head h reads key/value head
 # h // (H / H_kv). The stock attention repeats them; SDPA and ours read the shared heads in place.
+def outside_window(L: int, S: int, window: int, device: torch.device) -> Tensor:
+    """Bool (L, S), True where key j lies more than ``window`` keys before query i (top-left aligned)."""
+    i = torch.arange(L, device=device)[:, None]
+    return torch.arange(S, device=device)[None, :] < i - window
+
+
 @ATTENTION.register("stock")
-def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: Callable) -> Tensor:
+def stock_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: Callable,
+                    window: int | None = None) -> Tensor:
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    probs = softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(q.shape[-1]))
+    scores = q @ k.transpose(-2, -1)
+    if window is not None:  # the softmax choice applies the causal mask; the window's left edge here
+        scores = scores.masked_fill(outside_window(q.shape[-2], k.shape[-2], window, q.device), float("-inf"))
+    probs = softmax(scores, 1.0 / math.sqrt(q.shape[-1]))
     probs = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
     return probs @ v
 
@@ -100,14 +111,20 @@ def _gqa(q: Tensor, k: Tensor) -> dict:
     return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
 
-ATTENTION.register("sdpa")(
-    lambda q, k, v, dropout_p, softmax: F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k)
-    )
-)
-ATTENTION.register("custom")(
-    lambda q, k, v, dropout_p, softmax: _fl().scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k)
+@ATTENTION.register("sdpa")
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax: Callable,
+                   window: int | None = None) -> Tensor:
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k))
+    L, S = q.shape[-2], k.shape[-2]  # SDPA takes no window: causal and window as one boolean mask
+    keep = causal_mask(L, S, q.device) & ~outside_window(L, S, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, **_gqa(q, k))
+
+
+ATTENTION.register("custom")(  # the window's blocks of keys are skipped, not masked
+    lambda q, k, v, dropout_p, softmax, window=None: _fl().scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, **_gqa(q, k),
+        **({} if window is None else {"window_size": (window, 0)})
     )
 )
 

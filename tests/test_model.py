@@ -438,3 +438,45 @@ def test_packed_documents_batches() -> None:
         n = int((y[row] != -100).sum())
         assert n >= 1 and (y[row, n:] == -100).all() and torch.equal(x[row, 1:n], y[row, :n - 1])
         assert (x[row, 0].item(), *y[row, :n].tolist()) in docs
+
+
+@pytest.mark.parametrize(("attention", "softmax"), [("sdpa", "stock"), ("custom", "stock"), ("stock", "custom")])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_window_matches_stock(arch: str, attention: str, softmax: str) -> None:
+    """model.window: every attention choice equals the stock attention with the window (float64), and a window
+    narrower than the sequence changes the result."""
+    torch.manual_seed(0)
+    base = {**ARCHS[arch], "window": 4}
+    stock = GPT(GPTConfig(**base)).double()
+    other = GPT(GPTConfig(**{**base, "attention": attention, "softmax": softmax})).double()
+    other.load_state_dict(stock.state_dict())
+    idx, targets = _batch()
+    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
+    loss_o, grads_o = _loss_and_grads(other, idx, targets)
+    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
+    for n in grads_s:
+        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    full = GPT(GPTConfig(**{**base, "window": None})).double()
+    full.load_state_dict(stock.state_dict())
+    assert (full(idx, targets) - loss_s).abs() > 1e-6
+    wide = GPT(GPTConfig(**{**base, "window": 16})).double()  # as wide as the block: no window
+    wide.load_state_dict(stock.state_dict())
+    torch.testing.assert_close(wide(idx, targets), full(idx, targets), rtol=1e-10, atol=1e-12)
+
+
+def test_window_in_packed_documents() -> None:
+    torch.manual_seed(0)
+    cfg = {**SMALL, "window": 3}
+    packed = GPT(GPTConfig(**{**cfg, "attention": "custom"})).double()
+    stock = GPT(GPTConfig(**cfg)).double()
+    stock.load_state_dict(packed.state_dict())
+    docs = [torch.randint(0, 37, (n + 1,), generator=torch.Generator().manual_seed(n)) for n in (9, 2, 14)]
+    x, y = torch.cat([d[:-1] for d in docs])[None], torch.cat([d[1:] for d in docs])[None]
+    cu = torch.tensor([0, 9, 11, 25], dtype=torch.int32)
+    want = sum(stock(d[None, :-1], d[None, 1:]) * (len(d) - 1) for d in docs) / 25
+    torch.testing.assert_close(packed(x, y, cu_seqlens=cu), want, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_window() -> None:
+    with pytest.raises(ValueError, match="model.window must be an int >= 0"):
+        GPTConfig(**SMALL, window=-1)

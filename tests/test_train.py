@@ -47,7 +47,9 @@ CHOICES.append(["model.quant=int8", "model.quant_act_bits=8"])  # with activatio
 LLAMA_FUSED = ["model.norm=fused_rmsnorm", "model.mlp=fused_swiglu", "model.position=fused_rotary",
                "model.attention=custom", "model.loss=fused_linear"]
 CHOICES += [["model=llama-tiny"], ["model=llama-tiny", *LLAMA_FUSED],
-            ["data.pack=true", "model.attention=custom"], ["data.pack=pad"]]
+            ["data.pack=true", "model.attention=custom"], ["data.pack=pad"],
+            ["model.window=8", "model.attention=custom"],
+            ["data.pack=true", "model.attention=custom", "model.window=8"]]
 
 
 @pytest.fixture(scope="session")
