@@ -159,14 +159,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"enable_gqa=True needs query heads ({heads}) to be a multiple of key/value heads "
                          f"({kv_heads}, {v_heads})")
     out_batch = (*batch, heads) if grouped or q_batch or k_batch or v_batch else ()
-    dropout_p = v.check_number("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
-    is_causal = v.check_bool("is_causal", is_causal)
-    window_size = _check_window("window_size", window_size)
-    softcap = v.check_number("softcap", softcap)
-    if not (0.0 <= softcap < float("inf")):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+    dropout_p, is_causal, window_size, softcap = _check_attention_options(dropout_p, is_causal, window_size, softcap)
     scale_arg = scale
     if scale is not None:
         scale = v.check_number("scale", scale)
@@ -278,14 +271,7 @@ def varlen_attention(
         longest = int(n.max()) if n.numel() and not compiling else 0
         if not isinstance(value_, int) or isinstance(value_, bool) or value_ < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value_!r}")
-    dropout_p = v.check_number("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
-    is_causal = v.check_bool("is_causal", is_causal)
-    window_size = _check_window("window_size", window_size)
-    softcap = v.check_number("softcap", softcap)
-    if not (0.0 <= softcap < float("inf")):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+    dropout_p, is_causal, window_size, softcap = _check_attention_options(dropout_p, is_causal, window_size, softcap)
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else v.check_number("scale", scale)
     intervals = _varlen_intervals(cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64), *lens, is_causal,
                                   window_size, query.shape[0], key.shape[0])
@@ -318,6 +304,18 @@ def _varlen_intervals(cu_q: Tensor, cu_k: Tensor, len_q: Tensor, len_k: Tensor, 
     last = torch.minimum(j - diag[seq_k] + left, len_q[seq_k] - 1)
     col_lo, col_hi = cu_q[seq_k] + first, cu_q[seq_k] + last
     return tuple(t.to(torch.int32) for t in (row_lo, row_hi, col_lo, col_hi))
+
+
+def _check_attention_options(dropout_p, is_causal, window_size, softcap) -> tuple[float, bool, tuple[int, int], float]:
+    """The options both attention functions share, checked: dropout_p in [0, 1], is_causal a bool, window_size a pair
+    of ints >= -1, softcap finite >= 0."""
+    dropout_p = v.check_number("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be between 0.0 and 1.0, got {dropout_p}")
+    softcap = v.check_number("softcap", softcap)
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+    return dropout_p, v.check_bool("is_causal", is_causal), _check_window("window_size", window_size), softcap
 
 
 def _check_window(name: str, window) -> tuple[int, int]:

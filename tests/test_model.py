@@ -52,6 +52,17 @@ def _batch(B: int = 3, T: int = 16, V: int = 37, ignore: bool = True):
     return idx, targets
 
 
+def assert_same_loss_and_grads(other: GPT, stock: GPT, idx, targets) -> torch.Tensor:
+    """``other``'s loss and every parameter gradient equal ``stock``'s (float64 tolerances); returns other's loss."""
+    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
+    loss_o, grads_o = _loss_and_grads(other, idx, targets)
+    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
+    assert grads_o.keys() == grads_s.keys()
+    for n in grads_s:
+        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    return loss_o
+
+
 def _loss_and_grads(model: GPT, idx, targets):
     model.zero_grad(set_to_none=True)
     loss = model(idx, targets)
@@ -144,11 +155,7 @@ def test_quant_matches_stock_fake_quantization(quant: str) -> None:
             x, _stock_fake_quant(lin.weight, bits, group), lin.bias
         )
     idx, targets = _batch()
-    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
-    loss_o, grads_o = _loss_and_grads(other, idx, targets)
-    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
-    for n in grads_s:
-        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    loss_o = assert_same_loss_and_grads(other, stock, idx, targets)
     # and the quantization really changes the model (this is not the float model)
     plain = GPT(GPTConfig(**SMALL)).double()
     plain.load_state_dict(other.state_dict())
@@ -451,14 +458,10 @@ def test_window_matches_stock(arch: str, attention: str, softmax: str) -> None:
     other = GPT(GPTConfig(**{**base, "attention": attention, "softmax": softmax})).double()
     other.load_state_dict(stock.state_dict())
     idx, targets = _batch()
-    loss_s, grads_s = _loss_and_grads(stock, idx, targets)
-    loss_o, grads_o = _loss_and_grads(other, idx, targets)
-    torch.testing.assert_close(loss_o, loss_s, rtol=1e-10, atol=1e-12)
-    for n in grads_s:
-        torch.testing.assert_close(grads_o[n], grads_s[n], rtol=1e-8, atol=1e-12, msg=f"grad of {n}")
+    loss = assert_same_loss_and_grads(other, stock, idx, targets)
     full = GPT(GPTConfig(**{**base, "window": None})).double()
     full.load_state_dict(stock.state_dict())
-    assert (full(idx, targets) - loss_s).abs() > 1e-6
+    assert (full(idx, targets) - loss).abs() > 1e-6
     wide = GPT(GPTConfig(**{**base, "window": 16})).double()  # as wide as the block: no window
     wide.load_state_dict(stock.state_dict())
     torch.testing.assert_close(wide(idx, targets), full(idx, targets), rtol=1e-10, atol=1e-12)

@@ -249,6 +249,25 @@ def _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr,
+                      WINDOW: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row_lo, row_hi, lo, full_hi, hi) of the query block at m0: key blocks [lo, full_hi) need no mask, [full_hi, hi)
+    do; with intervals (row_lo, row_hi: each row's keys) or a window, only the blocks they reach, all masked."""
+    if INTERVALS:
+        row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
+        full_hi = lo
+    elif WINDOW:
+        lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi = lo
+        row_lo, row_hi = offs_m, offs_m
+    else:
+        full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        lo = full_hi * 0
+        row_lo, row_hi = offs_m, offs_m
+    return row_lo, row_hi, lo, full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, mask_base, lo, hi,
     offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
@@ -328,17 +347,8 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    if INTERVALS:  # only the key blocks the rows' intervals reach, all of them masked
-        row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
-        full_hi = lo
-    elif WINDOW:  # only the key blocks the window reaches, all of them masked
-        lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        full_hi = lo
-        row_lo, row_hi = offs_m, offs_m
-    else:
-        full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        lo = full_hi * 0
-        row_lo, row_hi = offs_m, offs_m
+    row_lo, row_hi, lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right,
+                                                        IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
@@ -677,17 +687,8 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if INTERVALS:  # only the key blocks the rows' intervals reach, all of them masked
-        row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
-        full_hi = lo
-    elif WINDOW:  # only the key blocks the window reaches, all of them masked
-        lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        full_hi = lo
-        row_lo, row_hi = offs_m, offs_m
-    else:
-        full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        lo = full_hi * 0
-        row_lo, row_hi = offs_m, offs_m
+    row_lo, row_hi, lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right,
+                                                        IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
         dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
