@@ -23,26 +23,13 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
-from timing import report, time_rounds
-from triton.testing import do_bench
+from timing import TENSOR_BYTES, copy_bandwidth, median_ms, report, time_rows
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
 
-TENSOR_BYTES = 256 * 2**20
 COLS = [2048, 4096, 8192]
 EPS = 1e-6
-
-
-def median_ms(fn) -> float:
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a device-to-device copy of a 256 MiB tensor."""
-    src = torch.randn(TENSOR_BYTES // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * TENSOR_BYTES / (median_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
 def forward_backward(f, inputs, grads):
@@ -116,21 +103,11 @@ def norm_rows(op: str, make_peers, param_names: tuple[str, ...]) -> list[dict]:
         for name, f in make_peers(hidden, residual, params).items():
             g = [t.clone() for t in grads] if name == "liger" else grads  # Liger writes dx over dy
             label = f"{op} + residual" if residual else op
-            rows.append(dict(op=label, cols=hidden, mode="fwd", impl=name, n_tensors=fwd_tensors,
+            rows.append(dict(op=label, cols=hidden, mode="fwd", impl=name, n_bytes=fwd_tensors * TENSOR_BYTES,
                              fn=lambda f=f, inputs=inputs: f(*inputs)))
-            rows.append(dict(op=label, cols=hidden, mode="fwd+bwd", impl=name, n_tensors=fb_tensors,
+            rows.append(dict(op=label, cols=hidden, mode="fwd+bwd", impl=name, n_bytes=fb_tensors * TENSOR_BYTES,
                              fn=forward_backward(f, inputs, g)))
     return rows
-
-
-def time_rows(rows: list[dict], copy_bw: float, rounds: int) -> None:
-    """Time every row's fn in interleaved rounds (``timing.time_rounds``); a row's speed is its best round's."""
-    for row in rows:  # compile and warm up everything before the first round
-        row["fn"]()
-    torch.cuda.synchronize()
-    for row, times in zip(rows, time_rounds([(row.pop("fn"), median_ms) for row in rows], rounds), strict=True):
-        bw = row["n_tensors"] * TENSOR_BYTES / (min(times) * 1e-3)
-        row.update(ms=min(times), slowest_ms=max(times), tbs=bw / 1e12, frac=bw / copy_bw)
 
 
 def table(rows: list[dict]) -> str:

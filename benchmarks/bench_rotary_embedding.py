@@ -23,8 +23,8 @@ import platform
 
 import torch
 import triton
-from bench_rms_norm import copy_bandwidth, forward_backward, liger_unavailable, median_ms, table
-from timing import report, time_rounds
+from bench_rms_norm import forward_backward, liger_unavailable, table
+from timing import copy_bandwidth, report, time_rows
 
 import fusedlayers as fl
 
@@ -92,13 +92,7 @@ def main() -> None:
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     table_rows = rows()
-    for row in table_rows:  # compile and warm up everything before the first round
-        row["fn"]()
-    torch.cuda.synchronize()
-    timed = time_rounds([(row.pop("fn"), median_ms) for row in table_rows], args.rounds)
-    for row, times in zip(table_rows, timed, strict=True):
-        bw = row["n_bytes"] / (min(times) * 1e-3)
-        row.update(ms=min(times), slowest_ms=max(times), tbs=bw / 1e12, frac=bw / copy_bw)
+    time_rows(table_rows, copy_bw, args.rounds)
     header = (
         f"# rotary_embedding — {torch.cuda.get_device_name()}\n\n{datetime.date.today()}, torch {torch.__version__}, "
         f"triton {triton.__version__}, python {platform.python_version()}. bf16, D={D}, H_kv = H/4, 'hidden' = H*D of "

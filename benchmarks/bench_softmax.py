@@ -17,29 +17,16 @@ import time
 
 import torch
 import triton
-from timing import report, time_rounds
-from triton.testing import do_bench
+from timing import TENSOR_BYTES, copy_bandwidth, median_ms, report, time_rows
 
 import fusedlayers as fl
 from fusedlayers.kernels import softmax as kernels
 
-TENSOR_BYTES = 256 * 2**20
 COLS = [1024, 4096, 16384, 65536]
-
-
-def median_ms(fn) -> float:
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
 def fraction(n_tensors: int, ms: float, copy_bw: float) -> float:
     return n_tensors * TENSOR_BYTES / (ms * 1e-3) / copy_bw
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a device-to-device copy of a 256 MiB tensor."""
-    src = torch.randn(TENSOR_BYTES // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * TENSOR_BYTES / (median_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
 def forward_backward(f, x, grad):
@@ -75,7 +62,8 @@ def bench_softmax() -> list[dict]:
         for name, f in softmax_peers().items():
             for mode, n_tensors, fn in (("fwd", 2, lambda f=f, x=x: f(x)),
                                         ("fwd+bwd", 5, forward_backward(f, x, grad))):
-                rows.append(dict(op="softmax", cols=n_cols, mode=mode, impl=name, n_tensors=n_tensors, fn=fn))
+                rows.append(dict(op="softmax", cols=n_cols, mode=mode, impl=name, n_bytes=n_tensors * TENSOR_BYTES,
+                                 fn=fn))
     return rows
 
 
@@ -100,18 +88,9 @@ def bench_masked() -> list[dict]:
         for name, f in impls.items():
             for mode, n_tensors, fn in (("fwd", 2, lambda f=f, s=scores: f(s)),
                                         ("fwd+bwd", 5, forward_backward(f, scores, grad))):
-                rows.append(dict(op="causal masked", cols=seq, mode=mode, impl=name, n_tensors=n_tensors, fn=fn))
+                rows.append(dict(op="causal masked", cols=seq, mode=mode, impl=name,
+                                 n_bytes=n_tensors * TENSOR_BYTES, fn=fn))
     return rows
-
-
-def time_rows(rows: list[dict], copy_bw: float, rounds: int) -> None:
-    """Time every row's fn in interleaved rounds (``timing.time_rounds``); a row's speed is its best round's."""
-    for row in rows:  # compile and warm up everything before the first round
-        row["fn"]()
-    torch.cuda.synchronize()
-    for row, times in zip(rows, time_rounds([(row.pop("fn"), median_ms) for row in rows], rounds), strict=True):
-        bw = row["n_tensors"] * TENSOR_BYTES / (min(times) * 1e-3)
-        row.update(ms=min(times), slowest_ms=max(times), tbs=bw / 1e12, frac=bw / copy_bw)
 
 
 # Configs tried per row length by --tune: (backward kernel, SPLIT_BLOCK_N, warps, bits); None keeps the shipped choice.

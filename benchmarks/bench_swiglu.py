@@ -19,8 +19,8 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
-from bench_rms_norm import copy_bandwidth, forward_backward, liger_unavailable, table, time_rows
-from timing import report
+from bench_rms_norm import forward_backward, liger_unavailable, table
+from timing import copy_bandwidth, report, time_rows
 
 import fusedlayers as fl
 
@@ -57,10 +57,10 @@ def rows_to_time() -> list[dict]:
             else:
                 inputs, grads = [gate, up], [grad]
             label = f"swiglu {n_rows // 1024}K rows"
-            rows.append(dict(op=label, cols=inter, mode="fwd", impl=name, n_tensors=3,
-                             bytes_per_tensor=gate.numel() * 2, fn=lambda f=f, inputs=inputs: f(*inputs)))
-            rows.append(dict(op=label, cols=inter, mode="fwd+bwd", impl=name, n_tensors=8,
-                             bytes_per_tensor=gate.numel() * 2, fn=forward_backward(f, inputs, grads)))
+            rows.append(dict(op=label, cols=inter, mode="fwd", impl=name, n_bytes=3 * gate.numel() * 2,
+                             fn=lambda f=f, inputs=inputs: f(*inputs)))
+            rows.append(dict(op=label, cols=inter, mode="fwd+bwd", impl=name, n_bytes=8 * gate.numel() * 2,
+                             fn=forward_backward(f, inputs, grads)))
     return rows
 
 
@@ -74,9 +74,6 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     rows = rows_to_time()
     time_rows(rows, copy_bw, args.rounds)
-    for row in rows:  # time_rows counts 256 MiB tensors: rescale to this row's tensor size
-        scale = row["bytes_per_tensor"] / (256 * 2**20)
-        row.update(tbs=row["tbs"] * scale, frac=row["frac"] * scale)
     header = (
         f"# swiglu — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
         f"python {platform.python_version()}. bf16 gate and up of (rows, intermediate) = {SHAPES}; device-to-device "

@@ -4,6 +4,33 @@ from __future__ import annotations
 
 import torch
 
+TENSOR_BYTES = 256 * 2**20  # the memory-bound benchmarks' tensor size (and the copy that calibrates them)
+
+
+def median_ms(fn) -> float:
+    """do_bench's median time of ``fn`` (ms)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a device-to-device copy of a 256 MiB tensor."""
+    src = torch.randn(TENSOR_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * TENSOR_BYTES / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def time_rows(rows: list[dict], copy_bw: float, rounds: int) -> None:
+    """Time every row's ``fn`` (popped) in interleaved rounds (``time_rounds``); a row's speed is its best round's
+    ``n_bytes`` per second. Adds ms, slowest_ms, tbs (TB/s) and frac (of ``copy_bw``) to each row."""
+    for row in rows:  # compile and warm up everything before the first round
+        row["fn"]()
+    torch.cuda.synchronize()
+    for row, times in zip(rows, time_rounds([(row.pop("fn"), median_ms) for row in rows], rounds), strict=True):
+        bw = row["n_bytes"] / (min(times) * 1e-3)
+        row.update(ms=min(times), slowest_ms=max(times), tbs=bw / 1e12, frac=bw / copy_bw)
+
 
 def kernel_ms(fn, calls: int = 20) -> float:
     """GPU time per call of ``fn``: its kernels' own durations, summed by torch.profiler over ``calls`` calls.
