@@ -250,35 +250,58 @@ def varlen_attention(
                          f"H_kv) and key query's head dim {D}")
     if H_kv == 0 or H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({H_kv})")
-    lens = []
-    compiling = torch.compiler.is_compiling()  # the checks of the lengths' values read them (not traceable)
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, query.shape[0]), ("cu_seqlens_k", cu_seqlens_k,
-                                                                             key.shape[0])):
-        v.check_tensor(name, cu)
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths, got {cu.dtype} of shape "
-                             f"{tuple(cu.shape)}")
-        if cu.device != query.device:
-            raise ValueError(f"{name} is on {cu.device} but query is on {query.device}")
-        n = cu.to(torch.int64)
-        if not compiling and (n[0] != 0 or n[-1] != total or bool((n[1:] < n[:-1]).any())):
-            raise ValueError(f"{name} must start at 0, never decrease and end at {total} (the packed length)")
-        lens.append(n[1:] - n[:-1])
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
-                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
-    for name, value_, n in (("max_seqlen_q", max_seqlen_q, lens[0]), ("max_seqlen_k", max_seqlen_k, lens[1])):
-        longest = int(n.max()) if n.numel() and not compiling else 0
-        if not isinstance(value_, int) or isinstance(value_, bool) or value_ < longest:
-            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value_!r}")
     dropout_p, is_causal, window_size, softcap = _check_attention_options(dropout_p, is_causal, window_size, softcap)
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else v.check_number("scale", scale)
-    intervals = _varlen_intervals(cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64), *lens, is_causal,
-                                  window_size, query.shape[0], key.shape[0])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        v.check_tensor(name, cu)
+        if cu.device != query.device:
+            raise ValueError(f"{name} is on {cu.device} but query is on {query.device}")
+    intervals = _varlen_key_intervals(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window_size,
+                                      query.shape[0], key.shape[0])
     seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
     out, _ = call(_varlen_ops.varlen_attention, query, key, value, *intervals, seed, dropout_p, float(scale),
                   float(softcap))
     return out
+
+
+# The last call's key intervals: a model calls varlen_attention once per layer with the same cu_seqlens tensors, and
+# checking their values syncs with the GPU. A hit needs the same tensor objects, unmodified since (their _version), and
+# the same options; the entry holds the tensors, so no other tensor can take their memory meanwhile.
+_last_intervals: list = [(), None]
+
+
+def _varlen_key_intervals(cu_q: Tensor, cu_k: Tensor, max_q, max_k, is_causal: bool, window: tuple[int, int],
+                          total_q: int, total_k: int) -> tuple[Tensor, ...]:
+    """cu_seqlens and max_seqlen checked against the packed totals, then turned into key intervals."""
+    compiling = torch.compiler.is_compiling()  # the checks of the lengths' values read them (not traceable)
+    key = None
+    if not compiling:
+        key = (cu_q, cu_q._version, cu_k, cu_k._version, max_q, max_k, is_causal, window, total_q, total_k)
+        cached = _last_intervals[0]
+        if len(cached) == len(key) and all(c is k if isinstance(k, Tensor) else type(c) is type(k) and c == k
+                                           for c, k in zip(cached, key, strict=False)):
+            return _last_intervals[1]
+    lens = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths, got {cu.dtype} of shape "
+                             f"{tuple(cu.shape)}")
+        n = cu.to(torch.int64)
+        if not compiling and (n[0] != 0 or n[-1] != total or bool((n[1:] < n[:-1]).any())):
+            raise ValueError(f"{name} must start at 0, never decrease and end at {total} (the packed length)")
+        lens.append(n[1:] - n[:-1])
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
+    for name, value_, n in (("max_seqlen_q", max_q, lens[0]), ("max_seqlen_k", max_k, lens[1])):
+        longest = int(n.max()) if n.numel() and not compiling else 0
+        if not isinstance(value_, int) or isinstance(value_, bool) or value_ < longest:
+            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value_!r}")
+    intervals = _varlen_intervals(cu_q.to(torch.int64), cu_k.to(torch.int64), *lens, is_causal, window, total_q,
+                                  total_k)
+    if key is not None:
+        _last_intervals[:] = [key, intervals]
+    return intervals
 
 
 def _varlen_intervals(cu_q: Tensor, cu_k: Tensor, len_q: Tensor, len_k: Tensor, is_causal: bool,

@@ -154,6 +154,20 @@ def test_bad_input_names_the_argument():
         fl.varlen_attention(q, k, v, cu_q, cu_k, 4, 4, window_size=(2,))
 
 
+def test_lengths_changed_in_place_are_checked_again():
+    """The key intervals of the last cu_seqlens are reused (one check per model step, not per layer), but not once
+    the tensor changed in place: new lengths give new intervals, bad ones an error."""
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8, torch.float32)
+    first = fl.varlen_attention(q, k, v, cu_q, cu_q, 4, 4, is_causal=True)
+    torch.testing.assert_close(first, per_sequence(q, k, v, cu_q, cu_q, causal=True))
+    cu_q[1] = 5  # lengths (5, 2)
+    moved = fl.varlen_attention(q, k, v, cu_q, cu_q, 5, 5, is_causal=True)
+    torch.testing.assert_close(moved, per_sequence(q, k, v, cu_q, cu_q, causal=True))
+    cu_q[1] = 9
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0, never decrease"):
+        fl.varlen_attention(q, k, v, cu_q, cu_q, 5, 5, is_causal=True)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
@@ -163,11 +177,14 @@ def test_cuda_matches_attention_per_sequence(case, dtype):
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])
 def test_reference_in_small_chunks(case, monkeypatch):
-    """The reference's query chunks (each against the keys its rows' intervals span) add up to the same result when
-    they are small: chunk boundaries inside sequences, keys shared by several chunks."""
+    """The reference's query chunks (each against the keys its rows' intervals span, batched) add up to the same
+    result when they are small: chunk boundaries inside sequences, keys shared by several chunks, several batches."""
     from fusedlayers.ops import scaled_dot_product_attention as attn_ops
 
+    from fusedlayers.ops import varlen_attention as varlen_ops
+
     monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 8)
+    monkeypatch.setattr(varlen_ops, "REFERENCE_GATHER_BUDGET", 2000)  # a few chunks per batch, several batches
     check(case, torch.float64, backend="reference")
 
 

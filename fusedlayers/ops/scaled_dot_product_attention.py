@@ -277,8 +277,10 @@ class _Blocks:
                  softcap: float = 0.0, intervals: tuple[Tensor, ...] | None = None, offsets: tuple[int, int] = (0, 0)):
         self.acc = _accumulator(q.dtype)
         # (first query row, first key) of this piece of a larger problem (the varlen reference's chunks): the key
-        # intervals hold absolute key indices, and the dropout mask hashes absolute (row, key) as the kernels do
-        self.row0, self.col0 = offsets
+        # intervals hold absolute key indices, and the dropout mask hashes absolute (row, key) as the kernels do.
+        # Offsets given as (B,) tensors: each batch entry is its own piece of one problem (batch index 0 to dropout)
+        self.pieces = isinstance(offsets[0], Tensor)
+        self.row0, self.col0 = (o.view(-1, 1, 1, 1) if self.pieces else o for o in offsets)
         B, H, L, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H // H_kv
@@ -287,7 +289,8 @@ class _Blocks:
         self.window, self.softcap = window, softcap
         # keys past the last one a window reaches (query L - 1 sees keys up to L - 1 + right) are never read
         self.key_end = S if window[1] < 0 else max(0, min(S, L + window[1]))
-        self.intervals = intervals  # (row_lo, row_hi, ...): query row i attends keys [row_lo[i], row_hi[i]]
+        # (row_lo, row_hi, ...): query row i attends keys [row_lo[i], row_hi[i]] ((L,), or (B, L) per batch entry)
+        self.intervals = intervals
         self.q = q.reshape(B, H_kv, G * L, D).to(self.acc)
         self.rows = torch.arange(G * L, device=q.device) % L  # query index of each grouped row
         # (B, H_kv, G, L, S) view of the expanded mask: a block of it is sliced per step (no full copy)
@@ -295,7 +298,7 @@ class _Blocks:
         self.seed0, self.seed1, self.threshold, self.inv_keep = dropout_params(seed, dropout_p)
         self.dropout = seed is not None and dropout_p > 0.0
         if self.dropout:
-            b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+            b = torch.arange(B, device=q.device).view(B, 1, 1, 1) * (not self.pieces)
             hk = torch.arange(H_kv, device=q.device).view(1, H_kv, 1, 1)
             g = (torch.arange(G * L, device=q.device) // L).view(1, 1, G * L, 1)
             self.bh = b * H + hk * G + g  # b * H + h of each grouped row
@@ -332,8 +335,9 @@ class _Blocks:
         if right >= 0:
             s = s.masked_fill(cols[None, :] > self.rows[:, None] + right, float("-inf"))
         if self.intervals is not None:
-            lo, hi = (t.to(torch.int64)[self.rows] - self.col0 for t in self.intervals[:2])
-            s = s.masked_fill((cols[None, :] < lo[:, None]) | (cols[None, :] > hi[:, None]), float("-inf"))
+            lo, hi = (t.to(torch.int64).view(-1, self.L)[:, self.rows].view(-1, 1, self.G * self.L, 1) - self.col0
+                      for t in self.intervals[:2])
+            s = s.masked_fill((cols < lo) | (cols > hi), float("-inf"))
         return s, kb, vb, dcap
 
     def keep(self, n0: int, n1: int) -> Tensor:

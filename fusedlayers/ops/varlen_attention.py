@@ -37,13 +37,56 @@ def _drop(seed: Tensor | None, dropout_p: float):
     return attn.dropout_params(seed, dropout_p) if seed is not None and dropout_p > 0.0 else None
 
 
-def _chunks(row_lo: Tensor, row_hi: Tensor, total_q: int):
-    """The reference's pieces: query rows [m0, m1) in chunks of REFERENCE_BLOCK_N and the keys [k0, k1) their
-    intervals span (k1 <= k0: none), so that no work goes to keys no row of the chunk may see."""
-    lo, hi = row_lo.tolist(), row_hi.tolist()
-    for m0 in range(0, total_q, attn.REFERENCE_BLOCK_N):
-        m1 = min(total_q, m0 + attn.REFERENCE_BLOCK_N)
-        yield m0, m1, min(lo[m0:m1]), max(hi[m0:m1]) + 1
+# Elements of gathered keys and values per batch of reference chunks (bounds its copies: 64 MiB in fp32).
+REFERENCE_GATHER_BUDGET = 1 << 24
+
+
+class _Chunks:
+    """The reference's pieces: query rows in chunks of REFERENCE_BLOCK_N, each against the keys [k0, k0 + W) its
+    rows' intervals span (no work goes to keys no row of the chunk may see), run as a batch of chunks: keys gathered
+    per chunk (clamped past the end; the intervals mask what lies outside), groups of chunks sized by
+    REFERENCE_GATHER_BUDGET. Rows past the last query are padding with empty intervals."""
+
+    def __init__(self, row_lo: Tensor, row_hi: Tensor, total_q: int, total_k: int, heads_kv: int, width: int):
+        m = attn.REFERENCE_BLOCK_N
+        n = -(-total_q // m)
+        pad = n * m - total_q
+        self.m, self.n, self.total_q, self.total_k = m, n, total_q, total_k
+        self.lo = torch.nn.functional.pad(row_lo.to(torch.int64), (0, pad), value=1).view(n, m)
+        self.hi = torch.nn.functional.pad(row_hi.to(torch.int64), (0, pad), value=0).view(n, m)
+        k0 = torch.where(self.hi >= self.lo, self.lo, total_k).amin(1)
+        k1 = torch.where(self.hi >= self.lo, self.hi + 1, 0).amax(1)
+        self.k0, self.spans = k0, (k1 - k0).clamp(min=0)
+        self.rows0 = torch.arange(n, device=row_lo.device) * m
+        spans = self.spans.tolist()
+        self.groups, start, widest = [], 0, 0  # [c0, c1) chunks with the widest span among them
+        for c, span in enumerate(spans):
+            wider = max(widest, span)
+            if c > start and (c + 1 - start) * wider * heads_kv * width > REFERENCE_GATHER_BUDGET:
+                self.groups.append((start, c, widest))
+                start, wider = c, span
+            widest = wider
+        self.groups.append((start, n, widest))
+
+    def queries(self, t: Tensor, c0: int, c1: int) -> Tensor:
+        """Rows of the chunks [c0, c1) of a (total_q, H, D) tensor, as (chunks, H, m, D) (zero rows past the end)."""
+        rows = t[c0 * self.m:c1 * self.m]
+        rows = torch.nn.functional.pad(rows, (0, 0) * (t.dim() - 1) + (0, (c1 - c0) * self.m - rows.shape[0]))
+        return rows.reshape(c1 - c0, self.m, *t.shape[1:]).transpose(1, 2)
+
+    def key_index(self, c0: int, c1: int, width: int) -> Tensor:
+        return (self.k0[c0:c1, None] + torch.arange(width, device=self.k0.device)).clamp(max=self.total_k - 1)
+
+    def keys(self, t: Tensor, index: Tensor) -> Tensor:
+        """(total_k, H_kv, D) gathered to (chunks, H_kv, width, D)."""
+        return t[index].transpose(1, 2)
+
+    def reference_args(self, c0: int, c1: int) -> dict:
+        return dict(intervals=(self.lo[c0:c1], self.hi[c0:c1]), offsets=(self.rows0[c0:c1], self.k0[c0:c1]))
+
+    def rows(self, t: Tensor, total: int) -> Tensor:
+        """(chunks, H, m, ...) back to (rows, H, ...), padding rows dropped."""
+        return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:total]
 
 
 def _new_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,17 +111,19 @@ def varlen_attention(
         attn.kernels.attention_forward(q4, k4, v4, None, _drop(seed, dropout_p), False, scale, _dense(out),
                                        lse.unsqueeze(0), softcap=softcap, intervals=intervals)
         return out, lse
-    out4 = _dense(out)
-    for m0, m1, k0, k1 in _chunks(row_lo, row_hi, query.shape[0]):
-        if k1 <= k0:  # no row of the chunk sees a key
-            out4[:, :, m0:m1].zero_()
-            lse[:, m0:m1] = float("inf")
+    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
+    for c0, c1, width in chunks.groups:
+        if width == 0:  # no row of these chunks sees a key
+            out[c0 * chunks.m:c1 * chunks.m].zero_()
+            lse[:, c0 * chunks.m:c1 * chunks.m] = float("inf")
             continue
+        index = chunks.key_index(c0, c1, width)
         out_r, lse_r = attn.attention_forward_reference(
-            q4[:, :, m0:m1], k4[:, :, k0:k1], v4[:, :, k0:k1], None, seed, dropout_p, False, scale, softcap=softcap,
-            intervals=(row_lo[m0:m1], row_hi[m0:m1]), offsets=(m0, k0))
-        out4[:, :, m0:m1] = out_r
-        lse[:, m0:m1] = lse_r[0]
+            chunks.queries(query, c0, c1), chunks.keys(key, index), chunks.keys(value, index), None, seed, dropout_p,
+            False, scale, softcap=softcap, **chunks.reference_args(c0, c1))
+        rows = slice(c0 * chunks.m, min(c1 * chunks.m, query.shape[0]))
+        out[rows] = chunks.rows(out_r, rows.stop - rows.start)
+        lse[:, rows] = chunks.rows(lse_r[..., None], rows.stop - rows.start)[..., 0].T
     return out, lse
 
 
@@ -132,24 +177,26 @@ def varlen_attention_backward(
             query.dtype == torch.float32, softcap=softcap, intervals=intervals,
         )
         return dq, dk, dv
-    dq4, dk4, dv4 = (_dense(t) if need else None for t, need in ((dq, need_dq), (dk, need_dk), (dv, need_dv)))
-    for t in (dq4, dk4, dv4):
-        if t is not None:
-            t.zero_()
-    g4, o4, lse4 = _dense(grad_out), _dense(out), lse.unsqueeze(0)
-    for m0, m1, k0, k1 in _chunks(row_lo, row_hi, query.shape[0]):
-        if k1 <= k0:
+    for t in (dq, dk, dv):
+        t.zero_()
+    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
+    for c0, c1, width in chunks.groups:
+        if width == 0:
             continue
+        index = chunks.key_index(c0, c1, width)
         gq, gk, gv, _ = attn.attention_backward_reference(
-            g4[:, :, m0:m1], q4[:, :, m0:m1], k4[:, :, k0:k1], v4[:, :, k0:k1], o4[:, :, m0:m1], lse4[:, :, m0:m1],
+            chunks.queries(grad_out, c0, c1), chunks.queries(query, c0, c1), chunks.keys(key, index),
+            chunks.keys(value, index), chunks.queries(out, c0, c1), chunks.queries(lse.T, c0, c1),
             None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, softcap=softcap,
-            intervals=(row_lo[m0:m1], row_hi[m0:m1]), offsets=(m0, k0))
+            **chunks.reference_args(c0, c1))
+        rows = slice(c0 * chunks.m, min(c1 * chunks.m, query.shape[0]))
         if need_dq:
-            dq4[:, :, m0:m1] = gq
-        if need_dk:  # the chunks' query rows all add into the keys they saw
-            dk4[:, :, k0:k1] += gk
+            dq[rows] = chunks.rows(gq, rows.stop - rows.start)
+        flat = index.reshape(-1)  # the chunks' rows all add into the keys they saw (clamped copies add zeros)
+        if need_dk:
+            dk.index_add_(0, flat, gk.transpose(1, 2).reshape(flat.numel(), *dk.shape[1:]))
         if need_dv:
-            dv4[:, :, k0:k1] += gv
+            dv.index_add_(0, flat, gv.transpose(1, 2).reshape(flat.numel(), *dv.shape[1:]))
     return dq, dk, dv
 
 
