@@ -1220,6 +1220,9 @@ WINDOW_CASES = [
     (2, 4, 2, 50, 37, 32, False, None, (-1, -1), 2.0),
     (1, 2, 2, 64, 64, 32, True, None, (12, 0), 1.5),
     (1, 2, 2, 33, 47, 16, False, "float", (-1, -1), 3.0),
+    # windows wider than the interpreter's blocks: blocks every row sees whole run unmasked between masked edges
+    (1, 2, 1, 150, 150, 16, True, None, (70, 0), 0.0),
+    (1, 2, 2, 130, 150, 16, False, None, (60, 45), 1.5),
 ]
 
 

@@ -68,6 +68,9 @@ CASES = [
     (random_lengths(4, 50, 4), None, 2, 2, 16, False, (4, 9), 0.0),
     (random_lengths(4, 30, 5), None, 3, 3, 16, False, (-1, -1), 2.5),
     (random_lengths(4, 30, 6), None, 4, 4, 32, True, (10, -1), 1.5),
+    # sequences longer than the interpreter's blocks: blocks every row sees whole run unmasked
+    ([100, 3, 130, 0, 70], None, 2, 1, 16, True, (-1, -1), 0.0),
+    ([90, 1, 120], [110, 2, 100], 2, 2, 16, False, (50, -1), 2.0),
 ]
 
 
@@ -180,7 +183,6 @@ def test_reference_in_small_chunks(case, monkeypatch):
     """The reference's query chunks (each against the keys its rows' intervals span, batched) add up to the same
     result when they are small: chunk boundaries inside sequences, keys shared by several chunks, several batches."""
     from fusedlayers.ops import scaled_dot_product_attention as attn_ops
-
     from fusedlayers.ops import varlen_attention as varlen_ops
 
     monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 8)

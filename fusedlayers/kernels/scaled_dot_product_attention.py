@@ -35,6 +35,7 @@ exponent's argument is formed before the change of base: as precise as torch's f
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,7 @@ from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 PHILOX_ROUNDS = tl.constexpr(7)  # a constexpr global: the @jit functions read it
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 class Config(NamedTuple):
@@ -136,9 +138,15 @@ def _dropout_keep(seed0, seed1, rows, cols, bh, threshold):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh in fp32 from exp (the interpreter has no libdevice tanh): an odd Taylor polynomial below |x| = 1/8
-    (truncation < 2e-9 relative), (1 - e) / (1 + e) with e = exp(-2|x|) above (a few ulps)."""
+def _tanh(x, APPROX: tl.constexpr):
+    """tanh in fp32. APPROX (16-bit inputs on the GPU): the hardware's tanh.approx.f32, one special-function
+    instruction (relative error about 2**-11, below the 16-bit inputs' own rounding of the score), where the exact
+    form costs an exp and a division per score. Otherwise from exp (the interpreter has neither libdevice's tanh nor
+    inline assembly): an odd Taylor polynomial below |x| = 1/8 (truncation < 2e-9 relative), (1 - e) / (1 + e) with
+    e = exp(-2|x|) above (a few ulps)."""
+    if APPROX and not INTERPRETED:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
     x2 = x * x
@@ -165,7 +173,7 @@ def _masked_scores(
     The mask's addresses are formed here from the (b, h) base (not carried across the loop as a tile of
     64-bit pointers, which costs registers)."""
     if SOFTCAP:
-        t = _tanh(qk * cap_scale)
+        t = _tanh(qk * cap_scale, not NATURAL)
         s = t * cap_mult
     else:
         t = qk
@@ -249,22 +257,38 @@ def _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _full_blocks(first, last, lo, hi, limit, BLOCK: tl.constexpr):
+    """[full_lo, full_hi): the blocks of [lo, hi) wholly inside [first, last] (what every row of the other side
+    attends), and below ``limit`` (no bounds check); empty (full_lo = full_hi) if none."""
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(first, 0), BLOCK) * BLOCK, lo), hi)
+    full_hi = tl.minimum((tl.maximum(last + 1, 0) // BLOCK) * BLOCK, limit)
+    return full_lo, tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+
+@triton.jit
 def _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right, IS_CAUSAL: tl.constexpr,
                       WINDOW: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(row_lo, row_hi, lo, full_hi, hi) of the query block at m0: key blocks [lo, full_hi) need no mask, [full_hi, hi)
-    do; with intervals (row_lo, row_hi: each row's keys) or a window, only the blocks they reach, all masked."""
+    """(row_lo, row_hi, lo, full_lo, full_hi, hi) of the query block at m0: key blocks [full_lo, full_hi) need no
+    mask, [lo, full_lo) and [full_hi, hi) do; with intervals (row_lo, row_hi: each row's keys) or a window, only
+    the blocks they reach are visited, and those every row sees whole run unmasked."""
+    s_even = (S // BLOCK_N) * BLOCK_N
     if INTERVALS:
         row_lo, row_hi, lo, hi = _interval_key_range(RowLo, RowHi, offs_m, L, S, BLOCK_N)
-        full_hi = lo
+        full_lo, full_hi = _full_blocks(tl.max(row_lo, 0), tl.min(row_hi, 0), lo, hi, s_even, BLOCK_N)
     elif WINDOW:
         lo, hi = _window_key_range(L, S, m0, win_left, win_right, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        full_hi = lo
+        first = tl.where(win_left >= 0, m0 + BLOCK_M - 1 - win_left, 0)  # the last row's first key
+        last = tl.where(win_right >= 0, m0 + win_right, S - 1)  # the first row's last key
+        if IS_CAUSAL:
+            last = tl.minimum(last, m0)
+        full_lo, full_hi = _full_blocks(first, last, lo, hi, s_even, BLOCK_N)
         row_lo, row_hi = offs_m, offs_m
     else:
         full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
         lo = full_hi * 0
+        full_lo = lo
         row_lo, row_hi = offs_m, offs_m
-    return row_lo, row_hi, lo, full_hi, hi
+    return row_lo, row_hi, lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -347,10 +371,20 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    row_lo, row_hi, lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right,
-                                                        IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M, BLOCK_N)
+    row_lo, row_hi, lo, full_lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left,
+                                                                 win_right, IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M,
+                                                                 BLOCK_N)
+    if WINDOW or INTERVALS:  # the masked blocks left of those every row sees whole
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_lo,
+            offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
+            row_lo, row_hi,
+            True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, FAST_MAX, WINDOW, SOFTCAP,
+            INTERVALS, BLOCK_N,
+        )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, win_left, win_right, cap_scale, cap_mult,
         row_lo, row_hi,
@@ -429,7 +463,7 @@ def _bwd_dkdv_inner(
         else:
             lse = tl.load(lse_base + offs_m)
         if SOFTCAP:
-            t_t = _tanh(_mm(k, tl.trans(q), IEEE) * cap_scale)
+            t_t = _tanh(_mm(k, tl.trans(q), IEEE) * cap_scale, not IEEE)
             s_t = t_t * cap_mult
         else:
             s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
@@ -536,11 +570,18 @@ def _attn_bwd_dkdv_kernel(
     m_hi = L + n0 * 0
     if win_left >= 0:  # keys past S excluded
         m_hi = tl.minimum(m_hi, tl.minimum(n0 + BLOCK_N, S) + win_left)
+    # and of those, the query blocks whose every row sees every key of this block: [full_lo, full_hi), unmasked
+    first = tl.where(win_right >= 0, n0 + BLOCK_N - 1 - win_right, 0)  # the first row that sees the last key
+    last = tl.where(win_left >= 0, n0 + win_left, L - 1)  # the last row that sees the first key
+    if IS_CAUSAL:
+        first = tl.maximum(first, n0 + BLOCK_N - 1)
     if INTERVALS:  # the query blocks covering the keys' query intervals [col_lo, col_hi]
         col_lo = tl.load(ColLo + offs_n, mask=offs_n < S, other=L)
         col_hi = tl.load(ColHi + offs_n, mask=offs_n < S, other=-1)
         m_lo = (tl.minimum(tl.min(col_lo, 0), L) // BLOCK_M) * BLOCK_M
         m_hi = tl.minimum(tl.max(col_hi, 0) + 1, L)
+        first, last = tl.max(col_lo, 0), tl.min(col_hi, 0)
+    full_lo, full_hi = _full_blocks(first, last, m_lo, m_hi, l_even, BLOCK_M)
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * H + h
@@ -550,9 +591,23 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
-        if WINDOW or INTERVALS:
+        if WINDOW or INTERVALS:  # masked edges, unmasked middle
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, m_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, full_lo,
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_lo, full_hi,
+                offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
+                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+                cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_hi, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
@@ -687,10 +742,20 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    row_lo, row_hi, lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left, win_right,
-                                                        IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M, BLOCK_N)
+    row_lo, row_hi, lo, full_lo, full_hi, hi = _query_block_keys(RowLo, RowHi, offs_m, L, S, m0, win_left,
+                                                                 win_right, IS_CAUSAL, WINDOW, INTERVALS, BLOCK_M,
+                                                                 BLOCK_N)
+    if WINDOW or INTERVALS:
+        dq = _bwd_dq_inner(
+            dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, full_lo,
+            offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+            cap_mult, row_lo, row_hi,
+            True, IS_CAUSAL, HAS_MASK, MASK_BOOL, DROPOUT, EVEN_D, EVEN_DV, IEEE, DELTA_ONLY, WINDOW, SOFTCAP,
+            INTERVALS, BLOCK_N,
+        )
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, lo, full_hi,
+        dq, q, do, lse2, lse_lo, delta, k_base, v_base, mask_base, full_lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
         row_lo, row_hi,
