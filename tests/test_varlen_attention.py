@@ -186,6 +186,7 @@ def test_reference_in_small_chunks(case, monkeypatch):
     from fusedlayers.ops import varlen_attention as varlen_ops
 
     monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 8)
+    monkeypatch.setattr(varlen_ops, "REFERENCE_QUERY_CHUNK", 8)
     monkeypatch.setattr(varlen_ops, "REFERENCE_GATHER_BUDGET", 2000)  # a few chunks per batch, several batches
     check(case, torch.float64, backend="reference")
 
@@ -194,8 +195,10 @@ def test_reference_in_small_chunks(case, monkeypatch):
 def test_dropout_mask_is_the_kernels(monkeypatch):
     """With dropout the reference (in chunks) and the kernels apply the same keep mask: the same result."""
     from fusedlayers.ops import scaled_dot_product_attention as attn_ops
+    from fusedlayers.ops import varlen_attention as varlen_ops
 
     monkeypatch.setattr(attn_ops, "REFERENCE_BLOCK_N", 16)
+    monkeypatch.setattr(varlen_ops, "REFERENCE_QUERY_CHUNK", 16)
     q, k, v, cu_q, cu_k = packed([20, 0, 45, 1, 30], [20, 0, 45, 1, 30], 2, 1, 16, torch.float32)
     outs = []
     for backend in ("reference", "triton"):

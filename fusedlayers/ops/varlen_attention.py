@@ -37,56 +37,64 @@ def _drop(seed: Tensor | None, dropout_p: float):
     return attn.dropout_params(seed, dropout_p) if seed is not None and dropout_p > 0.0 else None
 
 
-# Elements of gathered keys and values per batch of reference chunks (bounds its copies: 64 MiB in fp32).
+# Query rows per chunk of the reference (each chunk runs against the keys its rows' intervals span: small chunks
+# waste little on keys of their first sequence's earlier rows) and elements of gathered keys and values per batch of
+# chunks (bounds its copies: 64 MiB in fp32).
+REFERENCE_QUERY_CHUNK = 32
 REFERENCE_GATHER_BUDGET = 1 << 24
 
 
 class _Chunks:
-    """The reference's pieces: query rows in chunks of REFERENCE_BLOCK_N, each against the keys [k0, k0 + W) its
-    rows' intervals span (no work goes to keys no row of the chunk may see), run as a batch of chunks: keys gathered
-    per chunk (clamped past the end; the intervals mask what lies outside), groups of chunks sized by
-    REFERENCE_GATHER_BUDGET. Rows past the last query are padding with empty intervals."""
+    """The reference's pieces: query rows in chunks of REFERENCE_QUERY_CHUNK, each against the keys [k0, k0 + W) its
+    rows' intervals span (no work goes to keys no row of the chunk may see), run in batches of chunks of similar
+    spans (sorted; keys gathered per chunk, clamped past the end, the intervals mask what lies outside; batches
+    sized by REFERENCE_GATHER_BUDGET). Rows past the last query are padding with empty intervals."""
 
     def __init__(self, row_lo: Tensor, row_hi: Tensor, total_q: int, total_k: int, heads_kv: int, width: int):
-        m = attn.REFERENCE_BLOCK_N
+        m = REFERENCE_QUERY_CHUNK
         n = -(-total_q // m)
         pad = n * m - total_q
-        self.m, self.n, self.total_q, self.total_k = m, n, total_q, total_k
+        self.m, self.total_q, self.total_k = m, total_q, total_k
         self.lo = torch.nn.functional.pad(row_lo.to(torch.int64), (0, pad), value=1).view(n, m)
         self.hi = torch.nn.functional.pad(row_hi.to(torch.int64), (0, pad), value=0).view(n, m)
         k0 = torch.where(self.hi >= self.lo, self.lo, total_k).amin(1)
         k1 = torch.where(self.hi >= self.lo, self.hi + 1, 0).amax(1)
-        self.k0, self.spans = k0, (k1 - k0).clamp(min=0)
-        self.rows0 = torch.arange(n, device=row_lo.device) * m
-        spans = self.spans.tolist()
-        self.groups, start, widest = [], 0, 0  # [c0, c1) chunks with the widest span among them
-        for c, span in enumerate(spans):
-            wider = max(widest, span)
-            if c > start and (c + 1 - start) * wider * heads_kv * width > REFERENCE_GATHER_BUDGET:
-                self.groups.append((start, c, widest))
-                start, wider = c, span
-            widest = wider
-        self.groups.append((start, n, widest))
+        self.k0, spans = k0, (k1 - k0).clamp(min=0)
+        self.row_index = torch.arange(n * m, device=row_lo.device).view(n, m)
+        order = torch.argsort(spans, stable=True)
+        self.groups, group, widest = [], [], 0  # (chunk indices, the widest span among them)
+        for c, span in zip(order.tolist(), spans[order].tolist(), strict=True):
+            if group and (len(group) + 1) * span * heads_kv * width > REFERENCE_GATHER_BUDGET:
+                self.groups.append((torch.tensor(group, device=row_lo.device), widest))
+                group = []
+            group.append(c)
+            widest = span
+        if group:
+            self.groups.append((torch.tensor(group, device=row_lo.device), widest))
 
-    def queries(self, t: Tensor, c0: int, c1: int) -> Tensor:
-        """Rows of the chunks [c0, c1) of a (total_q, H, D) tensor, as (chunks, H, m, D) (zero rows past the end)."""
-        rows = t[c0 * self.m:c1 * self.m]
-        rows = torch.nn.functional.pad(rows, (0, 0) * (t.dim() - 1) + (0, (c1 - c0) * self.m - rows.shape[0]))
-        return rows.reshape(c1 - c0, self.m, *t.shape[1:]).transpose(1, 2)
+    def rows(self, chunks: Tensor) -> tuple[Tensor, Tensor]:
+        """(query row of each (chunk, row) clamped into range, which of them are real rows), both (chunks, m)."""
+        index = self.row_index[chunks]
+        return index.clamp(max=self.total_q - 1), index < self.total_q
 
-    def key_index(self, c0: int, c1: int, width: int) -> Tensor:
-        return (self.k0[c0:c1, None] + torch.arange(width, device=self.k0.device)).clamp(max=self.total_k - 1)
+    def queries(self, t: Tensor, chunks: Tensor) -> Tensor:
+        """A (total_q, H, ...) tensor's rows of ``chunks``, as (chunks, H, m, ...)."""
+        return t[self.rows(chunks)[0]].transpose(1, 2)
+
+    def key_index(self, chunks: Tensor, width: int) -> Tensor:
+        return (self.k0[chunks, None] + torch.arange(width, device=self.k0.device)).clamp(max=self.total_k - 1)
 
     def keys(self, t: Tensor, index: Tensor) -> Tensor:
         """(total_k, H_kv, D) gathered to (chunks, H_kv, width, D)."""
         return t[index].transpose(1, 2)
 
-    def reference_args(self, c0: int, c1: int) -> dict:
-        return dict(intervals=(self.lo[c0:c1], self.hi[c0:c1]), offsets=(self.rows0[c0:c1], self.k0[c0:c1]))
+    def reference_args(self, chunks: Tensor) -> dict:
+        return dict(intervals=(self.lo[chunks], self.hi[chunks]), offsets=(self.row_index[chunks, 0], self.k0[chunks]))
 
-    def rows(self, t: Tensor, total: int) -> Tensor:
-        """(chunks, H, m, ...) back to (rows, H, ...), padding rows dropped."""
-        return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:total]
+    def put(self, dest: Tensor, t: Tensor, chunks: Tensor) -> None:
+        """(chunks, H, m, ...) results written to the real rows of a (total_q, H, ...) ``dest``."""
+        index, real = self.rows(chunks)
+        dest[index[real]] = t.transpose(1, 2)[real].to(dest.dtype)
 
 
 def _new_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,18 +120,19 @@ def varlen_attention(
                                        lse.unsqueeze(0), softcap=softcap, intervals=intervals)
         return out, lse
     chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
-    for c0, c1, width in chunks.groups:
+    lse_rows = lse.T  # (total_q, H) view: written through
+    for group, width in chunks.groups:
         if width == 0:  # no row of these chunks sees a key
-            out[c0 * chunks.m:c1 * chunks.m].zero_()
-            lse[:, c0 * chunks.m:c1 * chunks.m] = float("inf")
+            index, real = chunks.rows(group)
+            out[index[real]] = 0.0
+            lse_rows[index[real]] = float("inf")
             continue
-        index = chunks.key_index(c0, c1, width)
+        keys = chunks.key_index(group, width)
         out_r, lse_r = attn.attention_forward_reference(
-            chunks.queries(query, c0, c1), chunks.keys(key, index), chunks.keys(value, index), None, seed, dropout_p,
-            False, scale, softcap=softcap, **chunks.reference_args(c0, c1))
-        rows = slice(c0 * chunks.m, min(c1 * chunks.m, query.shape[0]))
-        out[rows] = chunks.rows(out_r, rows.stop - rows.start)
-        lse[:, rows] = chunks.rows(lse_r[..., None], rows.stop - rows.start)[..., 0].T
+            chunks.queries(query, group), chunks.keys(key, keys), chunks.keys(value, keys), None, seed, dropout_p,
+            False, scale, softcap=softcap, **chunks.reference_args(group))
+        chunks.put(out, out_r, group)
+        chunks.put(lse_rows, lse_r, group)
     return out, lse
 
 
@@ -180,19 +189,18 @@ def varlen_attention_backward(
     for t in (dq, dk, dv):
         t.zero_()
     chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
-    for c0, c1, width in chunks.groups:
+    for group, width in chunks.groups:
         if width == 0:
             continue
-        index = chunks.key_index(c0, c1, width)
+        keys = chunks.key_index(group, width)
         gq, gk, gv, _ = attn.attention_backward_reference(
-            chunks.queries(grad_out, c0, c1), chunks.queries(query, c0, c1), chunks.keys(key, index),
-            chunks.keys(value, index), chunks.queries(out, c0, c1), chunks.queries(lse.T, c0, c1),
+            chunks.queries(grad_out, group), chunks.queries(query, group), chunks.keys(key, keys),
+            chunks.keys(value, keys), chunks.queries(out, group), chunks.queries(lse.T, group),
             None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, softcap=softcap,
-            **chunks.reference_args(c0, c1))
-        rows = slice(c0 * chunks.m, min(c1 * chunks.m, query.shape[0]))
+            **chunks.reference_args(group))
         if need_dq:
-            dq[rows] = chunks.rows(gq, rows.stop - rows.start)
-        flat = index.reshape(-1)  # the chunks' rows all add into the keys they saw (clamped copies add zeros)
+            chunks.put(dq, gq, group)
+        flat = keys.reshape(-1)  # the chunks' rows all add into the keys they saw (clamped copies add zeros)
         if need_dk:
             dk.index_add_(0, flat, gk.transpose(1, 2).reshape(flat.numel(), *dk.shape[1:]))
         if need_dv:
