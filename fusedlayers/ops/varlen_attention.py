@@ -48,9 +48,11 @@ class _Chunks:
     """The reference's pieces: query rows in chunks of REFERENCE_QUERY_CHUNK, each against the keys [k0, k0 + W) its
     rows' intervals span (no work goes to keys no row of the chunk may see), run in batches of chunks of similar
     spans (sorted; keys gathered per chunk, clamped past the end, the intervals mask what lies outside; batches
-    sized by REFERENCE_GATHER_BUDGET). Rows past the last query are padding with empty intervals."""
+    sized by REFERENCE_GATHER_BUDGET), each batch's keys in one block. Rows past the last query are padding with
+    empty intervals."""
 
-    def __init__(self, row_lo: Tensor, row_hi: Tensor, total_q: int, total_k: int, heads_kv: int, width: int):
+    def __init__(self, row_lo: Tensor, row_hi: Tensor, total_q: int, total_k: int, heads: int, heads_kv: int,
+                 width: int):
         m = REFERENCE_QUERY_CHUNK
         n = -(-total_q // m)
         pad = n * m - total_q
@@ -62,11 +64,16 @@ class _Chunks:
         self.k0, spans = k0, (k1 - k0).clamp(min=0)
         self.row_index = torch.arange(n * m, device=row_lo.device).view(n, m)
         order = torch.argsort(spans, stable=True)
-        self.groups, group, widest = [], [], 0  # (chunk indices, the widest span among them)
+        per_key = max(heads_kv * width, heads * m)  # elements per key of a chunk: gathered K and V, all heads' scores
+        self.groups, group, first, widest = [], [], 0, 0  # (chunk indices, the widest span among them)
         for c, span in zip(order.tolist(), spans[order].tolist(), strict=True):
-            if group and (len(group) + 1) * span * heads_kv * width > REFERENCE_GATHER_BUDGET:
+            # a new batch when this one would pass the budget or pad its narrowest chunk by more than a quarter
+            full = (len(group) + 1) * span * per_key > REFERENCE_GATHER_BUDGET
+            if group and (full or span > first * 5 // 4 + 16):
                 self.groups.append((torch.tensor(group, device=row_lo.device), widest))
                 group = []
+            if not group:
+                first = span
             group.append(c)
             widest = span
         if group:
@@ -119,7 +126,8 @@ def varlen_attention(
         attn.kernels.attention_forward(q4, k4, v4, None, _drop(seed, dropout_p), False, scale, _dense(out),
                                        lse.unsqueeze(0), softcap=softcap, intervals=intervals)
         return out, lse
-    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
+    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], query.shape[1], key.shape[1],
+                     key.shape[2] + value.shape[2])
     lse_rows = lse.T  # (total_q, H) view: written through
     for group, width in chunks.groups:
         if width == 0:  # no row of these chunks sees a key
@@ -130,7 +138,7 @@ def varlen_attention(
         keys = chunks.key_index(group, width)
         out_r, lse_r = attn.attention_forward_reference(
             chunks.queries(query, group), chunks.keys(key, keys), chunks.keys(value, keys), None, seed, dropout_p,
-            False, scale, softcap=softcap, **chunks.reference_args(group))
+            False, scale, block_n=width, softcap=softcap, **chunks.reference_args(group))
         chunks.put(out, out_r, group)
         chunks.put(lse_rows, lse_r, group)
     return out, lse
@@ -188,7 +196,8 @@ def varlen_attention_backward(
         return dq, dk, dv
     for t in (dq, dk, dv):
         t.zero_()
-    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], key.shape[1], key.shape[2] + value.shape[2])
+    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], query.shape[1], key.shape[1],
+                     key.shape[2] + value.shape[2])
     for group, width in chunks.groups:
         if width == 0:
             continue
@@ -196,7 +205,7 @@ def varlen_attention_backward(
         gq, gk, gv, _ = attn.attention_backward_reference(
             chunks.queries(grad_out, group), chunks.queries(query, group), chunks.keys(key, keys),
             chunks.keys(value, keys), chunks.queries(out, group), chunks.queries(lse.T, group),
-            None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, softcap=softcap,
+            None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, block_n=width, softcap=softcap,
             **chunks.reference_args(group))
         if need_dq:
             chunks.put(dq, gq, group)
