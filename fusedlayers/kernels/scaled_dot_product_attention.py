@@ -806,6 +806,10 @@ _DQ_CAUSAL = {64: Config(64, 64, 4, 3), 128: Config(64, 32, 4, 3)}
 _FWD_MASK = {64: Config(128, 64, 8, 3), 128: Config(128, 32, 8, 3)}
 _DKDV_MASK = {128: Config(16, 128, 8, 2)}
 _DQ_MASK = {128: Config(64, 32, 4, 3)}
+# Windows and packed sequences (intervals): their loops keep masked edges around the unmasked middle; the causal
+# table for dQ (packed sequences are causal within each, and the non-causal D128 entry spills ~4 KiB there), and for
+# dK/dV at D128 the config that ptxas (sm_90a) spills least in both (176 / 296 bytes, the dense one 372 / 532).
+_DKDV_SPARSE = {128: Config(16, 128, 8, 2)}
 # fp32 inputs (IEEE dots, twice the bytes per element): smaller tiles.
 _FWD_FP32 = {64: Config(64, 32, 8, 1), 128: Config(32, 32, 4, 1), 256: Config(16, 16, 4, 1)}
 _DKDV_FP32 = {128: Config(16, 32, 4, 1), 256: Config(16, 16, 4, 1)}
@@ -819,8 +823,9 @@ def _pick(table: dict, bd: int) -> Config:
 
 
 def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, is_causal: bool,
-                  has_mask: bool = False) -> Config:
-    """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); the module-level overrides win (tuning)."""
+                  has_mask: bool = False, sparse: bool = False) -> Config:
+    """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); ``sparse``: a window or intervals. The module-level
+    overrides win (tuning)."""
     override = {"fwd": FWD_CONFIG, "dkdv": BWD_DKDV_CONFIG, "dq": BWD_DQ_CONFIG}[kind]
     if override is not None:
         return override
@@ -831,8 +836,10 @@ def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, d
         table = {"fwd": _FWD_FP32, "dkdv": _DKDV_FP32, "dq": _DQ_FP32}[kind]
     else:
         table = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}[kind]
-        if is_causal:
+        if is_causal or sparse:
             table = {**table, **{"fwd": {}, "dkdv": _DKDV_CAUSAL, "dq": _DQ_CAUSAL}[kind]}
+        if sparse and kind == "dkdv":
+            table = {**table, **_DKDV_SPARSE}
         if has_mask:
             table = {**table, **{"fwd": _FWD_MASK, "dkdv": _DKDV_MASK, "dq": _DQ_MASK}[kind]}
     return _pick(table, bd)
@@ -953,7 +960,8 @@ def attention_backward(
     scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
                *_window_softcap_args(q.dtype, scale, window, softcap))
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
-    dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None)
+    sparse = tuple(window) != (-1, -1) or intervals is not None
+    dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
         dq_t = dq if need_dq else q
         launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
@@ -962,7 +970,7 @@ def attention_backward(
             num_stages=dq_cfg.num_stages,
         )
     if need_dk or need_dv or need_dmask:
-        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None)
+        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
             q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t,
