@@ -206,11 +206,15 @@ class RotaryPositions(nn.Module):
 
 @POSITION.register("fused_rotary")
 class FusedRotaryPositions(RotaryPositions):
-    """The same rotation by ``fl.rotary_embedding``: q and k in one kernel, forward and backward."""
+    """The same rotation by ``fl.rotary_embedding``: q and k in one kernel, forward and backward. Its cos/sin tables
+    are full width (T, D), as transformers' (each pair's angle twice), built once rather than per layer."""
+
+    def __init__(self, cfg, base: float = 10000.0) -> None:
+        super().__init__(cfg, base)
+        self.cos, self.sin = torch.cat((self.cos, self.cos), -1), torch.cat((self.sin, self.sin), -1)
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos_sin(q.shape[-2], positions, q.dtype)  # (T, D/2): cos/sin of each pair
-        return _fl().rotary_embedding(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+        return _fl().rotary_embedding(q, k, *self.cos_sin(q.shape[-2], positions, q.dtype))
 
 
 # ------------------------------------------------------------------------------------------ norm

@@ -27,12 +27,13 @@ pytest.importorskip(
 )
 
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
 
 from models.hf import ARCH, HF_ATTENTION, HF_CHECKPOINT, HF_LAYERS, HF_LOSS, HFCausalLM, HFConfig  # noqa: E402
 from models.lit import GPTLitModule, load_checkpoint  # noqa: E402
 from models.training import train  # noqa: E402
 from tests.parity import assert_parity, float64_hf_norms  # noqa: E402
+from tests.test_train import FAST as GPT_FAST  # noqa: E402
+from tests.test_train import make_cfg as gpt_make_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = str(ROOT / "configs")
@@ -40,22 +41,7 @@ ARCHS = ARCH.names()  # llama, qwen2, qwen3, mistral, gemma, gpt2
 SMALL = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96)
 B, T, V = 3, 16, 37
 FUSED = dict(attention="custom", loss="fused_linear", layers="custom")
-# a tiny model and short epochs (as tests/test_train.py): each run takes seconds
-FAST = [
-    "model=hf",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.batch_size=4",
-    "data.batches_per_epoch=3",
-    "data.max_val_windows=8",
-    "sample.tokens=16",
-    "trainer.log_every_n_steps=1",
-    "~callbacks.progress_bar",
-    "trainer.enable_progress_bar=false",
-    "trainer.num_sanity_val_steps=0",
-]
+FAST = ["model=hf", *GPT_FAST]  # a tiny model and short epochs: each run takes seconds
 FUSED_OVERRIDES = ["model.attention=custom", "model.loss=fused_linear"]
 
 
@@ -65,11 +51,7 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 def make_cfg(out: Path, cache: str, *overrides: str):
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*FAST, f"paths.cache_dir={cache}", *overrides])
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(out)
-    return cfg
+    return gpt_make_cfg(out, cache, *overrides, fast=FAST)
 
 
 def _model(arch: str, **choices) -> HFCausalLM:

@@ -57,9 +57,9 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("token_cache"))
 
 
-def make_cfg(out: Path, cache: str, *overrides: str):
+def make_cfg(out: Path, cache: str, *overrides: str, fast: list[str] = FAST):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*FAST, f"paths.cache_dir={cache}", *overrides])
+        cfg = compose(config_name="train", overrides=[*fast, f"paths.cache_dir={cache}", *overrides])
     with open_dict(cfg):
         cfg.paths.output_dir = str(out)
     return cfg
