@@ -12,10 +12,11 @@ varlen_attention`` turns the cumulative lengths (and causal / window) into key i
 - ``varlen_attention_backward(grad_out, query, key, value, out, lse, row_lo, row_hi, col_lo, col_hi, seed,
   dropout_p, scale, softcap, need_dq, need_dk, need_dv) -> (dq, dk, dv)``.
 
-The attention kernels of ``fusedlayers.kernels.scaled_dot_product_attention`` run them (their INTERVALS mode: the
-packed tensors seen as one batch row of total_q queries and total_k keys, through strides, never copied), blocks no
-row's interval reaches skipped; float64, or CPU tensors without the interpreter, run the blockwise PyTorch reference
-of the same module with the same intervals, chunk by chunk of queries against the keys their intervals span.
+``fusedlayers.kernels.varlen_attention`` runs them on the attention kernels' INTERVALS mode (the packed tensors seen
+as one batch row of total_q queries and total_k keys, through strides, never copied), blocks no row's interval
+reaches skipped; float64, or CPU tensors without the interpreter, run the blockwise PyTorch reference of
+``ops/scaled_dot_product_attention.py`` with the same intervals, in batches of query chunks, each against the keys its
+rows' intervals span.
 Dropout, GQA, soft-capping, deterministic backward: as the dense op.
 """
 
@@ -27,10 +28,14 @@ from torch import Tensor
 from fusedlayers.ops import scaled_dot_product_attention as attn
 from fusedlayers.ops._eager import call, custom_op, register_autograd
 
+try:
+    from fusedlayers.kernels import varlen_attention as kernels
+except ImportError:  # no Triton (macOS, Windows): the reference runs everywhere
+    kernels = None
 
-def _dense(t: Tensor) -> Tensor:
-    """(total, H, D) as the (1, H, total, D) view the dense kernels and the reference take (no copy)."""
-    return t.transpose(0, 1).unsqueeze(0)
+
+def _run_kernel(query: Tensor, value: Tensor) -> bool:
+    return kernels is not None and attn._run_kernel(query, value)
 
 
 def _drop(seed: Tensor | None, dropout_p: float):
@@ -120,11 +125,9 @@ def varlen_attention(
         return out, lse.fill_(float("inf"))
     if key.shape[0] == 0:  # no keys: every row is empty
         return out.zero_(), lse.fill_(float("inf"))
-    intervals = (row_lo, row_hi, col_lo, col_hi)
-    q4, k4, v4 = _dense(query), _dense(key), _dense(value)
-    if attn._run_kernel(q4, v4):
-        attn.kernels.attention_forward(q4, k4, v4, None, _drop(seed, dropout_p), False, scale, _dense(out),
-                                       lse.unsqueeze(0), softcap=softcap, intervals=intervals)
+    if _run_kernel(query, value):
+        kernels.varlen_attention_forward(query, key, value, (row_lo, row_hi, col_lo, col_hi), _drop(seed, dropout_p),
+                                         scale, softcap, out, lse)
         return out, lse
     chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], query.shape[1], key.shape[1],
                      key.shape[2] + value.shape[2])
@@ -185,14 +188,10 @@ def varlen_attention_backward(
     dq, dk, dv = _new_grads(query, key, value, need_dq, need_dk, need_dv)
     if query.shape[0] == 0 or key.shape[0] == 0 or query.shape[1] == 0:  # nothing attends: zero gradients
         return dq.zero_(), dk.zero_(), dv.zero_()
-    intervals = (row_lo, row_hi, col_lo, col_hi)
-    q4, k4, v4 = _dense(query), _dense(key), _dense(value)
-    if attn._run_kernel(q4, v4):
-        attn.kernels.attention_backward(
-            _dense(grad_out), q4, k4, v4, _dense(out), lse.unsqueeze(0), None, _drop(seed, dropout_p), False, scale,
-            _dense(dq) if need_dq else None, _dense(dk) if need_dk else None, _dense(dv) if need_dv else None, None,
-            query.dtype == torch.float32, softcap=softcap, intervals=intervals,
-        )
+    if _run_kernel(query, value):
+        kernels.varlen_attention_backward(grad_out, query, key, value, out, lse, (row_lo, row_hi, col_lo, col_hi),
+                                          _drop(seed, dropout_p), scale, softcap, dq if need_dq else None,
+                                          dk if need_dk else None, dv if need_dv else None)
         return dq, dk, dv
     for t in (dq, dk, dv):
         t.zero_()
