@@ -275,7 +275,7 @@ def _varlen_key_intervals(cu_q: Tensor, cu_k: Tensor, max_q, max_k, is_causal: b
     """cu_seqlens and max_seqlen checked against the packed totals, then turned into key intervals."""
     compiling = torch.compiler.is_compiling()  # the checks of the lengths' values read them (not traceable)
     key = None
-    if not compiling:
+    if not (compiling or cu_q.is_inference() or cu_k.is_inference()):  # inference tensors have no _version
         key = (cu_q, cu_q._version, cu_k, cu_k._version, max_q, max_k, is_causal, window, total_q, total_k)
         cached = _last_intervals[0]
         if len(cached) == len(key) and all(c is k if isinstance(k, Tensor) else type(c) is type(k) and c == k

@@ -171,6 +171,17 @@ def test_lengths_changed_in_place_are_checked_again():
         fl.varlen_attention(q, k, v, cu_q, cu_q, 5, 5, is_causal=True)
 
 
+def test_inference_mode():
+    """Tensors made under inference_mode have no version counter: nothing is cached for them, the result is the
+    same."""
+    q, k, v, cu_q, _ = packed([3, 4], [3, 4], 2, 2, 8, torch.float32)
+    want = per_sequence(q, k, v, cu_q, cu_q, causal=True)
+    with torch.inference_mode():
+        cu_inf = cu_q.clone()
+        for cu in (cu_inf, cu_inf, cu_q):
+            torch.testing.assert_close(fl.varlen_attention(q, k, v, cu, cu, 4, 4, is_causal=True), want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])

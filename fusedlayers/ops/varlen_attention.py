@@ -22,6 +22,8 @@ Dropout, GQA, soft-capping, deterministic backward: as the dense op.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,17 @@ REFERENCE_QUERY_CHUNK = 32
 REFERENCE_GATHER_BUDGET = 1 << 24
 
 
+class _Group(NamedTuple):
+    """A batch of chunks: the query row of each (chunk, row) clamped into range (chunks, m), which of them are real
+    rows, the real ones flat, the keys gathered per chunk (chunks, width), and the reference's arguments."""
+
+    rows: Tensor
+    real: Tensor
+    real_rows: Tensor
+    keys: Tensor
+    reference_args: dict
+
+
 class _Chunks:
     """The reference's pieces: query rows in chunks of REFERENCE_QUERY_CHUNK, each against the keys [k0, k0 + W) its
     rows' intervals span (no work goes to keys no row of the chunk may see), run in batches of chunks of similar
@@ -61,52 +74,68 @@ class _Chunks:
         m = REFERENCE_QUERY_CHUNK
         n = -(-total_q // m)
         pad = n * m - total_q
-        self.m, self.total_q, self.total_k = m, total_q, total_k
-        self.lo = torch.nn.functional.pad(row_lo.to(torch.int64), (0, pad), value=1).view(n, m)
-        self.hi = torch.nn.functional.pad(row_hi.to(torch.int64), (0, pad), value=0).view(n, m)
-        k0 = torch.where(self.hi >= self.lo, self.lo, total_k).amin(1)
-        k1 = torch.where(self.hi >= self.lo, self.hi + 1, 0).amax(1)
-        self.k0, spans = k0, (k1 - k0).clamp(min=0)
-        self.row_index = torch.arange(n * m, device=row_lo.device).view(n, m)
+        lo = torch.nn.functional.pad(row_lo.to(torch.int64), (0, pad), value=1).view(n, m)
+        hi = torch.nn.functional.pad(row_hi.to(torch.int64), (0, pad), value=0).view(n, m)
+        k0 = torch.where(hi >= lo, lo, total_k).amin(1)
+        spans = (torch.where(hi >= lo, hi + 1, 0).amax(1) - k0).clamp(min=0)
+        row_index = torch.arange(n * m, device=row_lo.device).view(n, m)
         order = torch.argsort(spans, stable=True)
         per_key = max(heads_kv * width, heads * m)  # elements per key of a chunk: gathered K and V, all heads' scores
-        self.groups, group, first, widest = [], [], 0, 0  # (chunk indices, the widest span among them)
+        batches, batch, first, widest = [], [], 0, 0  # (chunk indices, the widest span among them)
         for c, span in zip(order.tolist(), spans[order].tolist(), strict=True):
             # a new batch when this one would pass the budget or pad its narrowest chunk by more than a quarter
-            full = (len(group) + 1) * span * per_key > REFERENCE_GATHER_BUDGET
-            if group and (full or span > first * 5 // 4 + 16):
-                self.groups.append((torch.tensor(group, device=row_lo.device), widest))
-                group = []
-            if not group:
+            full = (len(batch) + 1) * span * per_key > REFERENCE_GATHER_BUDGET
+            if batch and (full or span > first * 5 // 4 + 16):
+                batches.append((batch, widest))
+                batch = []
+            if not batch:
                 first = span
-            group.append(c)
+            batch.append(c)
             widest = span
-        if group:
-            self.groups.append((torch.tensor(group, device=row_lo.device), widest))
+        if batch:
+            batches.append((batch, widest))
+        self.groups = []
+        for chunks, span in batches:
+            chunks = torch.tensor(chunks, device=row_lo.device)
+            index = row_index[chunks]
+            real = index < total_q
+            keys = (k0[chunks, None] + torch.arange(span, device=k0.device)).clamp(max=max(total_k - 1, 0))
+            args = dict(intervals=(lo[chunks], hi[chunks]), offsets=(index[:, 0], k0[chunks]))
+            self.groups.append((_Group(index.clamp(max=total_q - 1), real, index[real], keys, args), span))
 
-    def rows(self, chunks: Tensor) -> tuple[Tensor, Tensor]:
-        """(query row of each (chunk, row) clamped into range, which of them are real rows), both (chunks, m)."""
-        index = self.row_index[chunks]
-        return index.clamp(max=self.total_q - 1), index < self.total_q
+    @staticmethod
+    def queries(t: Tensor, group: _Group) -> Tensor:
+        """A (total_q, H, ...) tensor's rows of the group's chunks, as (chunks, H, m, ...)."""
+        return t[group.rows].transpose(1, 2)
 
-    def queries(self, t: Tensor, chunks: Tensor) -> Tensor:
-        """A (total_q, H, ...) tensor's rows of ``chunks``, as (chunks, H, m, ...)."""
-        return t[self.rows(chunks)[0]].transpose(1, 2)
-
-    def key_index(self, chunks: Tensor, width: int) -> Tensor:
-        return (self.k0[chunks, None] + torch.arange(width, device=self.k0.device)).clamp(max=self.total_k - 1)
-
-    def keys(self, t: Tensor, index: Tensor) -> Tensor:
+    @staticmethod
+    def keys(t: Tensor, group: _Group) -> Tensor:
         """(total_k, H_kv, D) gathered to (chunks, H_kv, width, D)."""
-        return t[index].transpose(1, 2)
+        return t[group.keys].transpose(1, 2)
 
-    def reference_args(self, chunks: Tensor) -> dict:
-        return dict(intervals=(self.lo[chunks], self.hi[chunks]), offsets=(self.row_index[chunks, 0], self.k0[chunks]))
-
-    def put(self, dest: Tensor, t: Tensor, chunks: Tensor) -> None:
+    @staticmethod
+    def put(dest: Tensor, t: Tensor, group: _Group) -> None:
         """(chunks, H, m, ...) results written to the real rows of a (total_q, H, ...) ``dest``."""
-        index, real = self.rows(chunks)
-        dest[index[real]] = t.transpose(1, 2)[real].to(dest.dtype)
+        dest[group.real_rows] = t.transpose(1, 2)[group.real].to(dest.dtype)
+
+
+# The last plan: a model's layers call the op with the same interval tensors (fusedlayers.functional reuses them),
+# forward and backward; a hit needs the very tensors, unmodified, and the same shapes.
+_last_chunks: list = [(), None]
+
+
+def _chunks(row_lo: Tensor, row_hi: Tensor, query: Tensor, key: Tensor, value: Tensor) -> _Chunks:
+    shape = (query.shape[0], key.shape[0], query.shape[1], key.shape[1], key.shape[2] + value.shape[2],
+             REFERENCE_QUERY_CHUNK, REFERENCE_GATHER_BUDGET)
+    if row_lo.is_inference() or row_hi.is_inference():  # no _version to tell a change by: not cached
+        return _Chunks(row_lo, row_hi, *shape[:5])
+    key_ = (row_lo, row_lo._version, row_hi, row_hi._version, shape)
+    cached = _last_chunks[0]
+    if len(cached) == len(key_) and cached[0] is row_lo and cached[2] is row_hi and cached[1::2] == key_[1::2]:
+        return _last_chunks[1]
+    plan = _Chunks(row_lo, row_hi, *shape[:5])
+    _last_chunks[:] = [key_, plan]
+    return plan
 
 
 def _new_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -129,19 +158,16 @@ def varlen_attention(
         kernels.varlen_attention_forward(query, key, value, (row_lo, row_hi, col_lo, col_hi), _drop(seed, dropout_p),
                                          scale, softcap, out, lse)
         return out, lse
-    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], query.shape[1], key.shape[1],
-                     key.shape[2] + value.shape[2])
+    chunks = _chunks(row_lo, row_hi, query, key, value)
     lse_rows = lse.T  # (total_q, H) view: written through
     for group, width in chunks.groups:
         if width == 0:  # no row of these chunks sees a key
-            index, real = chunks.rows(group)
-            out[index[real]] = 0.0
-            lse_rows[index[real]] = float("inf")
+            out[group.real_rows] = 0.0
+            lse_rows[group.real_rows] = float("inf")
             continue
-        keys = chunks.key_index(group, width)
         out_r, lse_r = attn.attention_forward_reference(
-            chunks.queries(query, group), chunks.keys(key, keys), chunks.keys(value, keys), None, seed, dropout_p,
-            False, scale, block_n=width, softcap=softcap, **chunks.reference_args(group))
+            chunks.queries(query, group), chunks.keys(key, group), chunks.keys(value, group), None, seed, dropout_p,
+            False, scale, block_n=width, softcap=softcap, **group.reference_args)
         chunks.put(out, out_r, group)
         chunks.put(lse_rows, lse_r, group)
     return out, lse
@@ -195,20 +221,18 @@ def varlen_attention_backward(
         return dq, dk, dv
     for t in (dq, dk, dv):
         t.zero_()
-    chunks = _Chunks(row_lo, row_hi, query.shape[0], key.shape[0], query.shape[1], key.shape[1],
-                     key.shape[2] + value.shape[2])
+    chunks = _chunks(row_lo, row_hi, query, key, value)
     for group, width in chunks.groups:
         if width == 0:
             continue
-        keys = chunks.key_index(group, width)
         gq, gk, gv, _ = attn.attention_backward_reference(
-            chunks.queries(grad_out, group), chunks.queries(query, group), chunks.keys(key, keys),
-            chunks.keys(value, keys), chunks.queries(out, group), chunks.queries(lse.T, group),
+            chunks.queries(grad_out, group), chunks.queries(query, group), chunks.keys(key, group),
+            chunks.keys(value, group), chunks.queries(out, group), chunks.queries(lse.T, group),
             None, seed, dropout_p, False, scale, need_dq, need_dk, need_dv, False, block_n=width, softcap=softcap,
-            **chunks.reference_args(group))
+            **group.reference_args)
         if need_dq:
             chunks.put(dq, gq, group)
-        flat = keys.reshape(-1)  # the chunks' rows all add into the keys they saw (clamped copies add zeros)
+        flat = group.keys.reshape(-1)  # the chunks' rows all add into the keys they saw (clamped copies add zeros)
         if need_dk:
             dk.index_add_(0, flat, gk.transpose(1, 2).reshape(flat.numel(), *dk.shape[1:]))
         if need_dv:
