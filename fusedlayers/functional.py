@@ -267,7 +267,7 @@ def varlen_attention(
 # The last call's key intervals: a model calls varlen_attention once per layer with the same cu_seqlens tensors, and
 # checking their values syncs with the GPU. A hit needs the same tensor objects, unmodified since (their _version), and
 # the same options; the entry holds the tensors, so no other tensor can take their memory meanwhile.
-_last_intervals: list = [(), None]
+_last_intervals: list = [((), None)]  # one (key, intervals) pair, swapped whole: threads never see half of one
 
 
 def _varlen_key_intervals(cu_q: Tensor, cu_k: Tensor, max_q, max_k, is_causal: bool, window: tuple[int, int],
@@ -277,10 +277,10 @@ def _varlen_key_intervals(cu_q: Tensor, cu_k: Tensor, max_q, max_k, is_causal: b
     key = None
     if not (compiling or cu_q.is_inference() or cu_k.is_inference()):  # inference tensors have no _version
         key = (cu_q, cu_q._version, cu_k, cu_k._version, max_q, max_k, is_causal, window, total_q, total_k)
-        cached = _last_intervals[0]
+        cached, intervals = _last_intervals[0]
         if len(cached) == len(key) and all(c is k if isinstance(k, Tensor) else type(c) is type(k) and c == k
                                            for c, k in zip(cached, key, strict=False)):
-            return _last_intervals[1]
+            return intervals
     lens = []
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
@@ -300,7 +300,7 @@ def _varlen_key_intervals(cu_q: Tensor, cu_k: Tensor, max_q, max_k, is_causal: b
     intervals = _varlen_intervals(cu_q.to(torch.int64), cu_k.to(torch.int64), *lens, is_causal, window, total_q,
                                   total_k)
     if key is not None:
-        _last_intervals[:] = [key, intervals]
+        _last_intervals[0] = (key, intervals)
     return intervals
 
 

@@ -121,7 +121,7 @@ class _Chunks:
 
 # The last plan: a model's layers call the op with the same interval tensors (fusedlayers.functional reuses them),
 # forward and backward; a hit needs the very tensors, unmodified, and the same shapes.
-_last_chunks: list = [(), None]
+_last_chunks: list = [((), None)]  # one (key, plan) pair, swapped whole: threads never see half of one
 
 
 def _chunks(row_lo: Tensor, row_hi: Tensor, query: Tensor, key: Tensor, value: Tensor) -> _Chunks:
@@ -130,11 +130,11 @@ def _chunks(row_lo: Tensor, row_hi: Tensor, query: Tensor, key: Tensor, value: T
     if row_lo.is_inference() or row_hi.is_inference():  # no _version to tell a change by: not cached
         return _Chunks(row_lo, row_hi, *shape[:5])
     key_ = (row_lo, row_lo._version, row_hi, row_hi._version, shape)
-    cached = _last_chunks[0]
+    cached, plan = _last_chunks[0]
     if len(cached) == len(key_) and cached[0] is row_lo and cached[2] is row_hi and cached[1::2] == key_[1::2]:
-        return _last_chunks[1]
+        return plan
     plan = _Chunks(row_lo, row_hi, *shape[:5])
-    _last_chunks[:] = [key_, plan]
+    _last_chunks[0] = (key_, plan)
     return plan
 
 
