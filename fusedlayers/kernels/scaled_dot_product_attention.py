@@ -9,8 +9,11 @@ exponent's argument is formed before the change of base: as precise as torch's f
 - forward: one program per (query block, b, h). Online softmax over key blocks: a running max m and sum l
   per row, the output accumulated in fp32 registers. The key loop runs in two stages: blocks that need no
   masking (no bounds check, no causal test: the common case runs lean), then the blocks on the causal
-  diagonal and/or the ragged tail of S. Writes the output (through its strides: any layout) and the
-  logsumexp (natural log) per row, as a float64 m + log(l) for fp32 inputs (``_split_lse``).
+  diagonal and/or the ragged tail of S. A window or per-row key intervals (varlen) visit only the key blocks they
+  reach, in three stages: masked blocks at the left edge, the blocks every row of the query block sees whole
+  (unmasked), masked blocks at the right edge; the dK/dV kernel does the same over query blocks. Writes the
+  output (through its strides: any layout) and the logsumexp (natural log) per row, as a float64 m + log(l) for
+  fp32 inputs (``_split_lse``).
 - backward: ``delta = rowsum(dO * O)`` (a small kernel), or with ``exact_delta`` sum_j P dP (the dQ kernel's
   loop in DELTA_ONLY mode), then two kernels that recompute the probabilities tile by tile from the saved
   logsumexp:
