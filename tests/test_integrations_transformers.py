@@ -320,26 +320,42 @@ def test_return_dict_positional_labels_logits_to_keep_and_return_logits(counters
 
 
 @needs_transformers
-@pytest.mark.parametrize("padding", ["none", "left"])
-def test_gemma2_softcap_falls_back(padding, counters):
-    """Gemma 2 soft-caps attention logits (eager attention serves those calls, with its float mask) and final
-    logits (the stock loss serves): same results as the stock eager model."""
-    model, _ = _tiny("gemma2")  # fp32: stock eager Gemma 2 gives NaN for padded rows in fp64 (its fp32 softmax
-    stock = copy.deepcopy(model)  # turns the fp64 mask minimum into -inf)
-    flt.apply(model, norm=False, mlp=False, rotary=False)  # attention and loss only: bitwise the stock computation
-    assert model.config._attn_implementation == "fusedlayers"
-    batch = _batch(padding)
-    out = model(**batch)
+@pytest.mark.parametrize("padding", ["none", "right"])
+def test_gemma2_softcap_is_fused(padding, counters):
+    """Gemma 2 soft-caps attention logits: our attention applies the cap (loss and every gradient against the float64
+    eager model). The cap is 0.01 here: the tiny model's scaled scores are ~0.01, and Gemma's 50 would change nothing
+    a test could see."""
+    model, stock, reference, loss, stock_loss, ref_loss = _check_parity(
+        "gemma2", padding, counters, final_logit_softcapping=None, attn_logit_softcapping=0.01)
     layers = model.config.num_hidden_layers
-    assert flt.fallbacks == {"softcap": layers, "final_logit_softcapping": 1}
-    assert counters["attention"] == [] and counters["loss"] == 0
-    assert out.logits is not None  # the stock forward
-    out.loss.backward()
-    want = stock(**batch).loss
-    want.backward()
-    torch.testing.assert_close(out.loss, want, rtol=0, atol=0)  # the same eager computation
+    assert [c["softcap"] for c in counters["attention"]] == [0.01] * layers and not flt.fallbacks
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach(), "loss")
     for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, _grads(stock)[name], rtol=0, atol=0, msg=name)
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
+    # the cap matters: the same weights (same seed) without it give query-projection gradients far outside the
+    # parity bound above (unpadded: float64 eager Gemma 2 gives NaN on fully masked padded rows without the cap)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    grads = []
+    for cap in (0.01, None):
+        ref = _float64_reference(_tiny("gemma2", final_logit_softcapping=None, attn_logit_softcapping=cap)[0])
+        _reference_loss(ref, _batch("none")).backward()
+        grads.append(_grads(ref)[name])
+    assert (grads[0] - grads[1]).abs().max() > 0.1 * grads[0].abs().max()
+
+
+@needs_transformers
+def test_gemma2_final_logit_softcap_keeps_the_stock_loss(counters):
+    """With Gemma 2's defaults the attention is ours (soft-capped) and the loss the stock forward's (final-logit
+    soft-capping, which fl.linear_cross_entropy does not do): the same loss as the stock model."""
+    model, _ = _tiny("gemma2")
+    stock = copy.deepcopy(model)
+    flt.apply(model, norm=False, mlp=False, rotary=False)
+    batch = _batch("none")
+    out = model(**batch)
+    assert flt.fallbacks == {"final_logit_softcapping": 1}
+    assert len(counters["attention"]) == model.config.num_hidden_layers and counters["loss"] == 0
+    assert out.logits is not None  # the stock forward
+    torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=1e-5, atol=1e-5)
 
 
 @needs_transformers

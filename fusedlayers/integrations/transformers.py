@@ -17,14 +17,15 @@ also sets every sub-model and sub-config). The attention function mirrors transf
 / packed-sequence masks arrive as the 4-D boolean masks transformers builds for SDPA (float masks work too);
 no mask means ``is_causal`` (top-left, and only when L > 1, keys cut to L when the cache has more, as SDPA's
 integration does); grouped-query attention reads the shared K/V heads (``enable_gqa``, no copy); dropout in
-training. Calls our op cannot express exactly fall back, per call, to transformers' stock function -- the
-SDPA one, or for what SDPA cannot do either (attention-logit soft-capping as in Gemma 2, attention sinks
-``s_aux``) the model's own eager function, given the mask eager attention expects (a float mask, causal
-included). Each fallback is counted in :data:`fallbacks` and logged once per reason:
-``softcap``, ``sinks``, ``position_bias``, ``mask_type`` (not a bool/float tensor), ``layout`` (not 4-D,
-batch broadcast between query and key, heads not a multiple), ``dtype``, ``head_dim`` (key and query head dims
-differ), ``sliding_window`` (a window the mask does not encode:
-no mask and more keys than the window), ``mask_shape``.
+training; Gemma 2's attention-logit soft-capping (``softcap``: the scaled score x becomes softcap * tanh(x /
+softcap) before the mask is added, as its eager attention) by the op's ``softcap``. Calls our op cannot express
+exactly fall back, per call, to transformers' stock function -- the SDPA one, or for what SDPA cannot do either
+(attention sinks ``s_aux``, a soft-cap that is not a finite number >= 0) the model's own eager function, given the
+mask eager attention expects (a float mask, causal included). Each fallback is counted in :data:`fallbacks` and
+logged once per reason: ``softcap``, ``sinks``, ``position_bias``, ``mask_type`` (not a bool/float tensor),
+``layout`` (not 4-D, batch broadcast between query and key, heads not a multiple), ``dtype``, ``head_dim`` (key
+and query head dims differ), ``sliding_window`` (a window the mask does not encode: no mask and more keys than the
+window), ``mask_shape``.
 
 **loss** -- replaces the ``forward`` of this model instance (not its class) by one that, when ``labels`` are
 given, computes the causal-LM loss with ``fl.linear_cross_entropy`` on the final hidden states and the
@@ -117,8 +118,9 @@ def register() -> None:
 
 
 def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tuple[str, str] | None:
-    if kwargs.get("softcap") is not None:
-        return "softcap", "attention logit soft-capping (softcap) is not supported by fl.scaled_dot_product_attention"
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 <= softcap < float("inf")):
+        return "softcap", f"attention logit soft-capping by {softcap!r} (not a finite number >= 0)"
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         return "sinks", "attention sinks (s_aux) are not supported by fl.scaled_dot_product_attention"
     if kwargs.get("position_bias") is not None:
@@ -210,7 +212,7 @@ def attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = _fl.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+        enable_gqa=query.shape[1] != key.shape[1], softcap=float(kwargs.get("softcap") or 0.0),
     )
     return out.transpose(1, 2).contiguous(), None
 
