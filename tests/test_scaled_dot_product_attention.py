@@ -1223,6 +1223,8 @@ WINDOW_CASES = [
     # windows wider than the interpreter's blocks: blocks every row sees whole run unmasked between masked edges
     (1, 2, 1, 150, 150, 16, True, None, (70, 0), 0.0),
     (1, 2, 2, 130, 150, 16, False, None, (60, 45), 1.5),
+    (1, 2, 2, 170, 120, 16, False, None, (50, 70), 0.0),  # L > S
+    (2, 2, 1, 100, 140, 32, True, None, (64, -1), 1.0),
 ]
 
 

@@ -71,6 +71,7 @@ CASES = [
     # sequences longer than the interpreter's blocks: blocks every row sees whole run unmasked
     ([100, 3, 130, 0, 70], None, 2, 1, 16, True, (-1, -1), 0.0),
     ([90, 1, 120], [110, 2, 100], 2, 2, 16, False, (50, -1), 2.0),
+    ([120, 5, 90], [100, 40, 130], 2, 1, 16, True, (40, 0), 0.0),
 ]
 
 
