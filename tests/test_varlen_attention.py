@@ -220,3 +220,22 @@ def test_dropout_mask_is_the_kernels(monkeypatch):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     torch.manual_seed(8)
     assert (fl.varlen_attention(q, k, v, cu_q, cu_k, 45, 45, dropout_p=0.3, is_causal=True) - outs[0]).abs().max() > 0
+
+
+def test_reference_plan_is_reused_until_its_inputs_change(monkeypatch):
+    """The reference's chunk plan is built once for the interval tensors every layer passes, and again when they
+    change in place or the chunking does."""
+    from fusedlayers.ops import varlen_attention as varlen_ops
+
+    row_lo = torch.tensor([0, 0, 0, 3, 3], dtype=torch.int32)
+    row_hi = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32)
+    q = torch.randn(5, 2, 8)
+    plan = varlen_ops._chunks(row_lo, row_hi, q, q, q)
+    assert varlen_ops._chunks(row_lo, row_hi, q, q, q) is plan
+    assert varlen_ops._chunks(row_lo.clone(), row_hi, q, q, q) is not plan  # other tensors, equal values
+    plan = varlen_ops._chunks(row_lo, row_hi, q, q, q)
+    monkeypatch.setattr(varlen_ops, "REFERENCE_QUERY_CHUNK", 2)
+    smaller = varlen_ops._chunks(row_lo, row_hi, q, q, q)
+    assert smaller is not plan and smaller.groups[0][0].rows.shape[1] == 2
+    row_hi[4] = 3  # an in-place change
+    assert varlen_ops._chunks(row_lo, row_hi, q, q, q) is not smaller

@@ -131,7 +131,8 @@ def _chunks(row_lo: Tensor, row_hi: Tensor, query: Tensor, key: Tensor, value: T
         return _Chunks(row_lo, row_hi, *shape[:5])
     key_ = (row_lo, row_lo._version, row_hi, row_hi._version, shape)
     cached, plan = _last_chunks[0]
-    if len(cached) == len(key_) and cached[0] is row_lo and cached[2] is row_hi and cached[1::2] == key_[1::2]:
+    if len(cached) == len(key_) and cached[0] is row_lo and cached[2] is row_hi and cached[3:] == key_[3:] \
+            and cached[1] == key_[1]:
         return plan
     plan = _Chunks(row_lo, row_hi, *shape[:5])
     _last_chunks[0] = (key_, plan)
