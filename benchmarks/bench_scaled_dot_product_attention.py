@@ -1,17 +1,19 @@
-"""Benchmark fl.scaled_dot_product_attention against torch SDPA's flash, cuDNN and efficient backends (GPU).
+"""Benchmark fl.scaled_dot_product_attention against torch SDPA's flash, cuDNN and efficient backends and
+FlexAttention (GPU).
 
 Matmul-bound: reports TFLOP/s with FLOPs counted as DESIGN.md says (forward 4*B*H*L*S*D, halved when
 causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory allocated by one
-forward+backward beyond the inputs. Shapes (issue 3): bf16, D in {64, 128}, L = S in {1024, 4096, 16384},
-batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
+forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 128, 256}, L = S in {1024, 4096,
+16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
+                                                            [--no-flex]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
 candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
-FlashAttention's own package is not installed on the lent GPU, so SDPA's backends are the peers.
+FlashAttention's own package is not installed on the lent GPU, so SDPA's backends and FlexAttention are the peers.
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 """
@@ -40,7 +42,7 @@ from fusedlayers.kernels import scaled_dot_product_attention as K  # noqa: E402
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
-PEERS = ("flash", "cudnn", "efficient")
+PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -65,7 +67,7 @@ OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG
 
 
 def shapes(quick: bool = False):
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for length in ((4096,) if quick else (1024, 4096, 16384)):
             for causal in (False, True):
                 yield TOKENS // length, WIDTH // d, length, d, causal
@@ -81,9 +83,29 @@ def make(b, h, length, d, grad: bool):
     return q, k, v
 
 
+_FLEX: dict = {}  # the compiled flex_attention and its causal block masks per length
+
+
+def _flex(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:  # static shapes: one specialised kernel per table row, as a user's fixed-shape model gets
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if causal:
+        key = (q.shape[-2], k.shape[-2])
+        if key not in _FLEX:
+            _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, *key, device=q.device)
+        mask = _FLEX[key]
+    return _FLEX["fn"](q, k, v, block_mask=mask)
+
+
 def attention(name):
     if name == "fl":
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+    if name == "flex":
+        return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -242,7 +264,7 @@ def table(best, out_path, quick):
     ratios = {"fwd": [], "fwd+bwd": []}
     cudnn = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | fl/flash | fl/best peer | "
+    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | fl/best peer | "
           "peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
@@ -258,13 +280,15 @@ def table(best, out_path, quick):
             fmt = lambda x: f"{x:.0f}" if x else "n/a"
             ratio_flash = f"{tf['fl'] / tf['flash']:.2f}" if tf["fl"] and tf["flash"] else "n/a"
             ratio_best = f"{tf['fl'] / best_peer:.2f}" if tf["fl"] and best_peer else "n/a"
+            ratio_cudnn = f"{tf['fl'] / tf['cudnn']:.2f}" if tf["fl"] and tf["cudnn"] else "n/a"
             mem = ""
             if mode == "fwd+bwd":
                 mf = f"{res['fl'][2]:.0f}" if res["fl"] else "n/a"
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
             row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | {fmt(tf['flash'])} | "
-                   f"{fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | {ratio_flash} | {ratio_best} | {mem} |")
+                   f"{fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | {fmt(tf.get('flex'))} | {ratio_flash} | "
+                   f"{ratio_cudnn} | {ratio_best} | {mem} |")
             rows.append(row)
             print(row, flush=True)
             if tf["fl"] and tf["flash"]:
@@ -278,14 +302,15 @@ def table(best, out_path, quick):
         f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
         f"Python {platform.python_version()}. bf16, batch*L = {TOKENS}, H*D = {WIDTH}, random data, "
         "triton.testing.do_bench median. TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
-        "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel. "
+        "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
+        "torch.compile(flex_attention) (causal: a block mask built once per length, outside the timing). "
         "Peak MiB: memory allocated by one forward+backward beyond the inputs.\n\n"
     )
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | fl/flash | fl/best peer | "
-             "peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
+             "fl/best peer | peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -314,11 +339,14 @@ def main():
     ap.add_argument("--sweep-lengths", default="4096")
     ap.add_argument("--sweep-at", default=None, help="B,H,L,D: sweep causal configs at this shape only, no table")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if args.no_flex:
+        PEERS.remove("flex")
     if args.masks:
         from bench_varlen_attention import masks_table
 
@@ -330,7 +358,7 @@ def main():
         return
     best = sweep([int(x) for x in args.sweep_lengths.split(",")], args.workers) if args.sweep else {}
     if not args.sweep:  # compile the default configs in parallel before timing
-        precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128)
+        precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128, 256)
                     for causal in (False, True)], args.workers)
     out = args.out
     if out is None and args.out_dir is not None:
