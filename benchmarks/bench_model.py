@@ -8,6 +8,7 @@ while timed).
 
     python benchmarks/bench_model.py --out benchmarks/results/h200-model.md [--profile] [--batch 64]
     python benchmarks/bench_model.py --model llama-small --out benchmarks/results/h200-model-llama.md
+    python benchmarks/bench_model.py --model llama-small --seq 8192 --batch 8 --only "sdpa,all fused,stock + compile"
 
 The default batch, 64 sequences (65,536 tokens a step), is the one the results table reports: the stock row needs
 about 107 GB there (an H200); on a smaller GPU pass --batch 16 or 32 (MFU is then 1-3 points lower).
@@ -64,7 +65,7 @@ def variants_of(model: str) -> list[tuple[str, dict, str | None]]:
 
 
 def build(overrides: dict, args, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    size = dict(n_layer=2, n_head=4, n_embd=64, block_size=64) if args.smoke else {}
+    size = dict(n_layer=2, n_head=4, n_embd=64, block_size=64) if args.smoke else dict(block_size=args.seq)
     cfg = GPTConfig(vocab_size=args.vocab, **{**MODELS[args.model][0], **size, **overrides})
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -157,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=list(MODELS), default="gpt-small")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=1024, help="T, tokens per sequence (long context: --seq 8192 --batch 8)")
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
@@ -176,7 +178,7 @@ def main() -> None:
     profile = profile_all_fused(args, device) if args.profile else None
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
     head = (f"# {args.model} training steps — {device_name}\n\n{datetime.date.today()}, torch {torch.__version__}. "
-            f"B={args.batch}, T={64 if args.smoke else 1024}, vocab {args.vocab}, bf16 autocast, fused AdamW, "
+            f"B={args.batch}, T={64 if args.smoke else args.seq}, vocab {args.vocab}, bf16 autocast, fused AdamW, "
             f"{args.warmup} warm-up + {args.steps} timed steps on random tokens.\n\n")
     rows = {}
     for name, overrides, mode in run_order:
