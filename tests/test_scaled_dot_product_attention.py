@@ -1317,3 +1317,52 @@ def test_window_never_reads_keys_outside_it(device, backend):
         assert not got.isnan().any(), name
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, msg=name)
     assert not dk[..., 32:, :].any() and not dv[..., 32:, :].any()
+
+
+TMA_CASES = [  # (B, H, H_kv, L, S, D, causal, layout): lengths off the blocks, GQA, L != S, (B, L, H, D) views
+    (2, 2, 1, 45, 45, 64, True, "bhld"),
+    (1, 4, 2, 37, 70, 64, False, "blhd"),
+    (1, 2, 2, 50, 33, 128, True, "blhd"),
+    (2, 2, 2, 16, 16, 64, False, "bhld"),
+]
+
+
+def _tma_inputs(B, H, H_kv, L, S, D, layout, dtype, device):
+    def make(heads, n):
+        if layout == "blhd":  # a transposed view of (B, L, H, D), as a model's projection gives
+            return torch.randn(B, n, heads, D, dtype=dtype, device=device).transpose(1, 2)
+        return torch.randn(B, heads, n, D, dtype=dtype, device=device)
+
+    return make(H, L), make(H_kv, S), make(H_kv, S)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}{'causal' if c[6] else ''}{c[7]}")
+def test_tma_forward_interpreter(case, monkeypatch):
+    """The experimental forward through tensor descriptors (off by default): the pointer kernel's output and
+    logsumexp, and the parity rule against float64, on rows off the blocks, GQA, L != S and strided inputs; inputs a
+    descriptor cannot address (a stride that is not a multiple of 16 bytes) take the pointer kernel."""
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    B, H, H_kv, L, S, D, causal, layout = case
+    torch.manual_seed(0)
+    q, k, v = _tma_inputs(B, H, H_kv, L, S, D, layout, torch.float16, "cpu")
+    scale = D ** -0.5
+    pointer = K.attention_forward(q, k, v, None, None, causal, scale)
+    monkeypatch.setattr(K, "TMA_FORWARD", True)
+    described = []
+    monkeypatch.setattr(K, "_descriptor", lambda t, *a, f=K._descriptor: described.append(t) or f(t, *a))
+    out, lse = K.attention_forward(q, k, v, None, None, causal, scale)
+    assert len(described) == 4  # q, k, v and the output went through descriptors
+    torch.testing.assert_close(out, pointer[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse, pointer[1], rtol=1e-5, atol=1e-5)
+    G = H // H_kv
+    want = stock_sdpa(q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1), None, causal)
+    got16 = stock_sdpa(q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1), None,
+                       causal).half()
+    assert_parity(out, got16, want, "output")
+    # a stride of D + 1 elements: no descriptor, the pointer kernel
+    described.clear()
+    padded = torch.randn(B, H, L, D + 1, dtype=torch.float16)[..., :D]
+    K.attention_forward(padded, k, v, None, None, causal, scale)
+    assert described == []
