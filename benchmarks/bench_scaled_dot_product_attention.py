@@ -7,7 +7,7 @@ forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 12
 16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
-                                                            [--no-flex]
+                                                            [--no-flex] [--tma]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
@@ -43,6 +43,7 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
+OURS = ["fl"]  # --tma adds "fl_tma": the experimental tensor-descriptor forward
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -101,9 +102,20 @@ def _flex(q, k, v, causal):
     return _FLEX["fn"](q, k, v, block_mask=mask)
 
 
+def _fl_tma(q, k, v, causal):
+    """Ours with the experimental tensor-descriptor forward switched on (issue 26)."""
+    K.TMA_FORWARD = True
+    try:
+        return fl.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    finally:
+        K.TMA_FORWARD = False
+
+
 def attention(name):
     if name == "fl":
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+    if name == "fl_tma":
+        return _fl_tma
     if name == "flex":
         return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -264,13 +276,13 @@ def table(best, out_path, quick):
     ratios = {"fwd": [], "fwd+bwd": []}
     cudnn = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | fl/best peer | "
-          "peak MiB fl / flash |", flush=True)
+    print("\n| D | L | causal | mode | fl | fl TMA | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
+          "fl/best peer | peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
             cfg = best.get((kind, d, causal)) if best else None
             _set_config(kind, cfg)
-        res = {name: measure(name, b, h, length, d, causal) for name in ("fl", *PEERS)}
+        res = {name: measure(name, b, h, length, d, causal) for name in (*OURS, *PEERS)}
         for kind in ("fwd", "dkdv", "dq"):
             _set_config(kind, None)
         for mode, idx in (("fwd", 0), ("fwd+bwd", 1)):
@@ -286,9 +298,9 @@ def table(best, out_path, quick):
                 mf = f"{res['fl'][2]:.0f}" if res["fl"] else "n/a"
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
-            row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | {fmt(tf['flash'])} | "
-                   f"{fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | {fmt(tf.get('flex'))} | {ratio_flash} | "
-                   f"{ratio_cudnn} | {ratio_best} | {mem} |")
+            row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | "
+                   f"{fmt(tf.get('fl_tma'))} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
+                   f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {mem} |")
             rows.append(row)
             print(row, flush=True)
             if tf["fl"] and tf["flash"]:
@@ -309,8 +321,8 @@ def table(best, out_path, quick):
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
-             "fl/best peer | peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | fl TMA | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
+             "fl/best peer | peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -340,6 +352,7 @@ def main():
     ap.add_argument("--sweep-at", default=None, help="B,H,L,D: sweep causal configs at this shape only, no table")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
+    ap.add_argument("--tma", action="store_true", help="also time the experimental tensor-descriptor forward")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     args = ap.parse_args()
@@ -347,6 +360,8 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.no_flex:
         PEERS.remove("flex")
+    if args.tma:
+        OURS.append("fl_tma")
     if args.masks:
         from bench_varlen_attention import masks_table
 
