@@ -1348,6 +1348,7 @@ def test_tma_forward_interpreter(case, monkeypatch):
     torch.manual_seed(0)
     q, k, v = _tma_inputs(B, H, H_kv, L, S, D, layout, torch.float16, "cpu")
     scale = D ** -0.5
+    monkeypatch.setattr(K, "TMA_FORWARD", False)  # whatever FUSEDLAYERS_TMA_FORWARD says
     pointer = K.attention_forward(q, k, v, None, None, causal, scale)
     monkeypatch.setattr(K, "TMA_FORWARD", True)
     described = []

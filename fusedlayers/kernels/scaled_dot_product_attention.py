@@ -932,8 +932,9 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
 
 
 # Experimental (issue 26): the forward through tensor descriptors, for the inputs ``_tma_forward_ok`` admits. Off until
-# it is timed against the pointer kernel on an H100 and an H200; the tests switch it on under the interpreter.
-TMA_FORWARD = False
+# it is timed against the pointer kernel on an H100 and an H200 (FUSEDLAYERS_TMA_FORWARD=1 switches it on, e.g. to
+# run the cuda tests through it); the tests switch it on under the interpreter.
+TMA_FORWARD = os.environ.get("FUSEDLAYERS_TMA_FORWARD", "0") == "1"
 TMA_HEAD_DIMS = (64, 128)
 
 
