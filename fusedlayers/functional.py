@@ -118,15 +118,7 @@ def scaled_dot_product_attention(
     """
     import math
 
-    v.check_float_tensor("query", query)
-    v.check_float_tensor("key", key)
-    v.check_float_tensor("value", value)
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key and value must have the same dtype, got query {query.dtype}, "
-                        f"key {key.dtype}, value {value.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    _check_query_key_value(query, key, value)
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         raise ValueError("query, key and value must have at least 2 dims ((..., L, E) layout), got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -233,16 +225,10 @@ def varlen_attention(
     """
     import math
 
+    _check_query_key_value(query, key, value)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        v.check_float_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total, heads, head_dim), got shape {tuple(t.shape)}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, "
-                        f"{value.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     H, D = query.shape[1:]
     H_kv = key.shape[1]
     if key.shape[2] != D or value.shape[:2] != key.shape[:2]:
@@ -327,6 +313,18 @@ def _varlen_intervals(cu_q: Tensor, cu_k: Tensor, len_q: Tensor, len_k: Tensor, 
     last = torch.minimum(j - diag[seq_k] + left, len_q[seq_k] - 1)
     col_lo, col_hi = cu_q[seq_k] + first, cu_q[seq_k] + last
     return tuple(t.to(torch.int32) for t in (row_lo, row_hi, col_lo, col_hi))
+
+
+def _check_query_key_value(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """Floating tensors of one dtype on query's device (both attention functions)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        v.check_float_tensor(name, t)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must have the same dtype, got query {query.dtype}, "
+                        f"key {key.dtype}, value {value.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
 
 
 def _check_attention_options(dropout_p, is_causal, window_size, softcap) -> tuple[float, bool, tuple[int, int], float]:
