@@ -33,6 +33,7 @@ from fusedlayers.integrations import thunder as flthunder  # noqa: E402
 from fusedlayers.integrations.thunder import fl_executor  # noqa: E402
 
 CE, SOFTMAX, SDPA = ("fusedlayers_cross_entropy", "fusedlayers_softmax", "fusedlayers_scaled_dot_product_attention")
+LAYER_NORM, RMS_NORM = "fusedlayers_layer_norm", "fusedlayers_rms_norm"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DEVICE_DTYPES = [("cpu", torch.float32), pytest.param("cuda", torch.float32, marks=pytest.mark.cuda),
                  pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)]
@@ -134,8 +135,8 @@ def test_import_error_names_thunder_when_it_is_missing():
 
 
 class TinyModel(nn.Module):
-    """embedding -> causal self-attention (F.scaled_dot_product_attention) -> linear -> F.cross_entropy, plus a
-    term on torch.softmax of the logits."""
+    """embedding -> causal self-attention (F.scaled_dot_product_attention) -> LayerNorm -> linear ->
+    F.cross_entropy, plus a term on torch.softmax of the logits."""
 
     def __init__(self, vocab: int = 96, dim: int = 64, heads: int = 4):
         super().__init__()
@@ -143,6 +144,7 @@ class TinyModel(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, idx, targets):
@@ -151,7 +153,7 @@ class TinyModel(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, -1))
-        logits = self.head(x)
+        logits = self.head(self.norm(x))
         loss = F.cross_entropy(logits.view(B * T, -1), targets.view(-1), ignore_index=-1, label_smoothing=0.1)
         confidence = torch.softmax(logits, dim=-1).square().sum(-1).mean()
         return loss + 0.5 * confidence
@@ -177,8 +179,8 @@ def test_model_runs_our_kernels_with_stock_loss_and_gradients(device, dtype):
     fused_model = jit_fused(copy.deepcopy(base).to(dtype))
     fused = _loss_and_grads(fused_model, idx, targets)
 
-    assert_claimed(fused_model, CE, SOFTMAX, SDPA)
-    assert_not_claimed(stock_model, CE, SOFTMAX, SDPA)
+    assert_claimed(fused_model, CE, SOFTMAX, SDPA, LAYER_NORM)
+    assert_not_claimed(stock_model, CE, SOFTMAX, SDPA, LAYER_NORM)
     for name, s in (("eager", eager), ("thunder", stock)):
         check_parity(fused[0], s[0], ref[0], f"loss vs {name}")
         for p in ref[1]:
@@ -312,6 +314,56 @@ def test_attention_half_precision(dtype):
 def test_attention_refused_head_dim_stays_stock():
     q, k, v = _qkv("cuda", E=320, Ev=320)  # more than our kernels take: Thunder's own SDPA runs it
     check_function(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], refused=[SDPA])
+
+
+# ----------------------------------------------------------------------------- LayerNorm and RMSNorm
+
+
+def _norm_inputs(device, dtype=torch.float32, param_dtype=None, shape=(3, 7, 40)):
+    x = torch.randn(shape, device=device, dtype=dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(shape[-1], device=device, dtype=param_dtype or dtype)).requires_grad_()
+    b = (0.5 * torch.randn(shape[-1], device=device, dtype=param_dtype or dtype)).requires_grad_()
+    return x, w, b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_with_and_without_parameters(device):
+    x, w, b = _norm_inputs(device)
+    check_function(lambda x, w, b: F.layer_norm(x, (40,), w, b), [x, w, b], claimed=[LAYER_NORM])
+    check_function(lambda x, w: F.layer_norm(x, (40,), w, eps=1e-3), [x, w], claimed=[LAYER_NORM])
+    check_function(lambda x: F.layer_norm(x, (40,)), [x], claimed=[LAYER_NORM])
+    check_function(lambda x: F.layer_norm(x, (7, 40)), [x], claimed=[LAYER_NORM])  # two normalized dims
+    check_function(lambda x, w, b: F.layer_norm(x.transpose(0, 1), (40,), w, b), [x, w, b],  # strided input
+                   claimed=[LAYER_NORM])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_default_eps_and_weight(device):
+    x, w, _ = _norm_inputs(device, shape=(5, 3, 130))
+    check_function(lambda x, w: F.rms_norm(x, (130,), w), [x, w], claimed=[RMS_NORM])  # eps=None: finfo(fp32).eps
+    check_function(lambda x, w: F.rms_norm(x, [130], w, eps=1e-5), [x, w], claimed=[RMS_NORM])
+    check_function(lambda x: F.rms_norm(x, (3, 130)), [x], claimed=[RMS_NORM])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norms_half_precision_with_fp32_parameters(dtype):
+    """16-bit activations with the parameters in their own dtype, and (rms_norm) with fp32 master parameters:
+    output and input gradient in the activations' dtype, parameter gradients in the parameters'. (torch's CUDA
+    layer_norm refuses fp32 parameters with 16-bit input.)"""
+    for param_dtype in (dtype, torch.float32):
+        x, w, b = _norm_inputs("cuda", dtype, param_dtype, shape=(64, 4544))
+        if param_dtype == dtype:
+            check_function(lambda x, w, b: F.layer_norm(x, (4544,), w, b), [x, w, b], claimed=[LAYER_NORM])
+        check_function(lambda x, w: F.rms_norm(x, (4544,), w, 1e-6), [x, w], claimed=[RMS_NORM])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_parameters_of_another_dtype_stay_stock(device):
+    """torch's rms_norm computes a float32 input with a float64 weight (a composite): our op takes the input's dtype
+    (or fp32 ones for 16-bit input), so the checker refuses it and Thunder's decomposition gives torch's result."""
+    x, w, _ = _norm_inputs(device, torch.float32, torch.float64)
+    check_function(lambda x, w: F.rms_norm(x, (40,), w), [x, w], refused=[RMS_NORM])
 
 
 # ----------------------------------------------------------------------------- inference

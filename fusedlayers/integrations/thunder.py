@@ -6,7 +6,7 @@
 
 ``fl_executor`` is a ``thunder.extend.OperatorExecutor`` named ``"fusedlayers"``, registered with
 ``thunder.extend.register_executor`` (so ``executors=["fusedlayers", ...]`` works too) but not added to Thunder's
-default executors: list it, ahead of the defaults, where you want it. It claims three torch functions, call by call:
+default executors: list it, ahead of the defaults, where you want it. It claims five torch functions, call by call:
 
 - ``torch.nn.functional.cross_entropy``: 2-D logits (N, C) with class-index targets (N,) (int64/int32; ignore_index)
   or class-probability targets of the logits' shape and dtype; label_smoothing; reduction "mean"/"sum"/"none";
@@ -20,6 +20,10 @@ default executors: list it, ahead of the defaults, where you want it. It claims 
   own counter-based generator, seeded from torch's CPU generator: reproducible under ``torch.manual_seed`` but not
   the same random stream as torch's); ``enable_gqa`` where Thunder passes it (0.2.6's symbol has no such argument).
   On CUDA, head dims up to 256 (where our Triton kernels run).
+- ``torch.nn.functional.layer_norm`` and ``torch.nn.functional.rms_norm``: floating input, ``normalized_shape`` its
+  last dims, weight (and bias) None or of that shape in the input's dtype (or all fp32 for fp16/bf16 input), eps a
+  number (None for rms_norm: torch's default). Thunder's own rules differentiate them as a dozen elementwise ops and
+  reductions each way; ours are one kernel forward and one backward.
 
 All tensors of a call on one CPU or CUDA device (CPU runs the PyTorch reference, as the ops do). Every other call
 (other shapes, dtypes or arguments, N-D cross-entropy inputs, numbers Thunder traces as symbolic values) is refused
@@ -28,10 +32,13 @@ by the checker and stays with the next executors in the list, which give Thunder
 Each claimed function becomes a forward and a backward symbol of this executor, named in the traces
 (``thunder.last_traces(jfn)[-1]``, ``thunder.last_backward_traces(jfn)[-1]``): ``fusedlayers_cross_entropy`` /
 ``fusedlayers_cross_entropy_backward``, ``fusedlayers_softmax`` / ``fusedlayers_softmax_backward``,
-``fusedlayers_scaled_dot_product_attention`` / ``fusedlayers_scaled_dot_product_attention_backward``. They call the
+``fusedlayers_scaled_dot_product_attention`` / ``fusedlayers_scaled_dot_product_attention_backward``,
+``fusedlayers_layer_norm`` / ``fusedlayers_layer_norm_backward``, ``fusedlayers_rms_norm`` /
+``fusedlayers_rms_norm_backward``. They call the
 ``torch.ops.fusedlayers`` ops (their bodies, without the dispatcher's host cost, as ``fusedlayers.functional``
 does). The grad transform saves what our backward ops need: the logsumexp (not the probabilities) for
-cross-entropy and attention, the output for softmax, the dropout seed.
+cross-entropy and attention, the output for softmax, the dropout seed, the per-row statistics (fp32 mean and rstd) of
+the norms.
 
 Thunder does not track ``requires_grad`` through every op, so the backward computes every gradient our ops can give:
 query, key and value; a float attn_mask's (a (B, H, L, S) fp32 intermediate: prefer bool masks); probability
@@ -67,6 +74,8 @@ except Exception as _error:  # ImportError, or e.g. AttributeError from a torch 
 
 from fusedlayers import __version__
 from fusedlayers.ops import cross_entropy as _ce_ops
+from fusedlayers.ops import layer_norm as _layer_norm_ops
+from fusedlayers.ops import rms_norm as _rms_norm_ops
 from fusedlayers.ops import scaled_dot_product_attention as _attn_ops
 from fusedlayers.ops import softmax as _softmax_ops
 from fusedlayers.ops._eager import call
@@ -382,4 +391,162 @@ def _attention_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 fl_executor.register_implementation(
     ltorch.scaled_dot_product_attention, checker=_attention_checker, execution_transform=_attention_execution,
     grad_transform=_attention_grad,
+)
+
+
+# ----------------------------------------------------------------------------- LayerNorm and RMSNorm
+# Thunder differentiates its own layer_norm / rms_norm by decomposing them into a dozen elementwise ops and
+# reductions each way; ours is one kernel forward and one backward (the weight and bias gradients reduced in it).
+
+
+def _norm_checker(a, normalized_shape, eps, *params) -> bool:
+    """torch's rules for F.layer_norm / F.rms_norm: float input, normalized_shape its last dims, parameters of that
+    shape in the input's dtype (or all fp32 for 16-bit input), a Python eps (None for rms_norm: torch's default)."""
+    if not _tensors_on_one_device(a, *params) or _torch_dtype(a) not in _FLOATS:
+        return False
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    if not (isinstance(shape, (list, tuple)) and shape
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+        return False
+    if a.ndim < len(shape) or tuple(a.shape[a.ndim - len(shape):]) != tuple(shape):
+        return False
+    if not (eps is None or _is_number(eps)):
+        return False
+    params = [p for p in params if p is not None]
+    if any(tuple(p.shape) != tuple(shape) for p in params):
+        return False
+    dtype = _torch_dtype(a)
+    mixed = dtype in (torch.float16, torch.bfloat16) and all(_torch_dtype(p) == torch.float32 for p in params)
+    return mixed or all(_torch_dtype(p) == dtype for p in params)
+
+
+def _normalized(a, normalized_shape) -> list[int]:
+    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+
+
+def _stats_meta(a, normalized_shape, n_stats: int, *params):
+    """The per-row statistics our norm ops save: (rows,) rstd for RMSNorm, (2, rows) mean and rstd for LayerNorm;
+    fp32, or fp64 where any tensor is."""
+    rows = math.prod(a.shape[: a.ndim - len(normalized_shape)])
+    acc = dtypes.float64 if dtypes.float64 in [t.dtype for t in (a, *params) if t is not None] else dtypes.float32
+    shape = (rows,) if n_stats == 1 else (n_stats, rows)
+    return TensorProxy(like=a, shape=shape, dtype=acc, requires_grad=False)
+
+
+def _grad_or_none(g: torch.Tensor | None, needed: bool):
+    return g if needed else None
+
+
+def _layer_norm_meta(a, normalized_shape, weight, bias, eps):
+    return TensorProxy(like=a), _stats_meta(a, normalized_shape, 2, weight, bias)  # y, (mean, rstd) per row
+
+
+def _layer_norm_impl(a, normalized_shape, weight, bias, eps):
+    y, _, stats = call(_layer_norm_ops.layer_norm, a, normalized_shape, weight, bias, eps, None, None)
+    return y, stats
+
+
+def _layer_norm_backward_meta(grad, a, normalized_shape, weight, bias, stats):
+    return (TensorProxy(like=a), None if weight is None else TensorProxy(like=weight),
+            None if bias is None else TensorProxy(like=bias))
+
+
+def _layer_norm_backward_impl(grad, a, normalized_shape, weight, bias, stats):
+    need_dw, need_db = weight is not None, bias is not None
+    dx, dw, db = call(_layer_norm_ops.layer_norm_backward, grad, a, normalized_shape, weight, stats, None, a.dtype,
+                      bias.dtype if need_db else None, True, need_dw, need_db)
+    return dx, _grad_or_none(dw, need_dw), _grad_or_none(db, need_db)
+
+
+layer_norm_forward = fl_executor.register_operator(
+    "fusedlayers_layer_norm", meta=_layer_norm_meta, fn=_layer_norm_impl,
+    tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),  # the backward reads its stats, not its output
+)
+layer_norm_backward = fl_executor.register_operator(
+    "fusedlayers_layer_norm_backward", meta=_layer_norm_backward_meta, fn=_layer_norm_backward_impl,
+)
+
+
+def _layer_norm_checker(a, /, normalized_shape, weight=None, bias=None, eps=1e-5) -> bool:
+    return eps is not None and _norm_checker(a, normalized_shape, eps, weight, bias)
+
+
+def _layer_norm_execution(a, /, normalized_shape, weight=None, bias=None, eps=1e-5):
+    y, _ = layer_norm_forward(a, _normalized(a, normalized_shape), weight, bias, float(eps))
+    return y
+
+
+def _layer_norm_grad(a, /, normalized_shape, weight=None, bias=None, eps=1e-5):
+    shape = _normalized(a, normalized_shape)
+    y, stats = layer_norm_forward(a, shape, weight, bias, float(eps))
+    dx, dw, db = layer_norm_backward(get_grad(y), a, shape, weight, bias, stats)
+    put_grad(a, dx)
+    for param, grad in ((weight, dw), (bias, db)):
+        if param is not None:
+            put_grad(param, grad)
+    return y
+
+
+fl_executor.register_implementation(
+    ltorch.layer_norm, checker=_layer_norm_checker, execution_transform=_layer_norm_execution,
+    grad_transform=_layer_norm_grad,
+)
+
+
+def _rms_norm_eps(a, eps) -> float:
+    """torch's default eps: the machine epsilon of the compute dtype (fp32 for 16-bit input)."""
+    if eps is not None:
+        return float(eps)
+    return torch.finfo(torch.float64 if _torch_dtype(a) == torch.float64 else torch.float32).eps
+
+
+def _rms_norm_meta(a, normalized_shape, weight, eps):
+    return TensorProxy(like=a), _stats_meta(a, normalized_shape, 1, weight)  # y, rstd per row
+
+
+def _rms_norm_impl(a, normalized_shape, weight, eps):
+    y, _, rstd = call(_rms_norm_ops.rms_norm, a, normalized_shape, weight, eps, None, None)
+    return y, rstd
+
+
+def _rms_norm_backward_meta(grad, a, normalized_shape, weight, rstd):
+    return TensorProxy(like=a), None if weight is None else TensorProxy(like=weight)
+
+
+def _rms_norm_backward_impl(grad, a, normalized_shape, weight, rstd):
+    need_dw = weight is not None
+    dx, dw = call(_rms_norm_ops.rms_norm_backward, grad, a, normalized_shape, weight, rstd, None, a.dtype, True,
+                  need_dw)
+    return dx, _grad_or_none(dw, need_dw)
+
+
+rms_norm_forward = fl_executor.register_operator(
+    "fusedlayers_rms_norm", meta=_rms_norm_meta, fn=_rms_norm_impl, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),
+)
+rms_norm_backward = fl_executor.register_operator(
+    "fusedlayers_rms_norm_backward", meta=_rms_norm_backward_meta, fn=_rms_norm_backward_impl,
+)
+
+
+def _rms_norm_checker(a, /, normalized_shape, weight=None, eps=None) -> bool:
+    return _norm_checker(a, normalized_shape, eps, weight)
+
+
+def _rms_norm_execution(a, /, normalized_shape, weight=None, eps=None):
+    y, _ = rms_norm_forward(a, _normalized(a, normalized_shape), weight, _rms_norm_eps(a, eps))
+    return y
+
+
+def _rms_norm_grad(a, /, normalized_shape, weight=None, eps=None):
+    shape = _normalized(a, normalized_shape)
+    y, rstd = rms_norm_forward(a, shape, weight, _rms_norm_eps(a, eps))
+    dx, dw = rms_norm_backward(get_grad(y), a, shape, weight, rstd)
+    put_grad(a, dx)
+    if weight is not None:
+        put_grad(weight, dw)
+    return y
+
+
+fl_executor.register_implementation(
+    ltorch.rms_norm, checker=_rms_norm_checker, execution_transform=_rms_norm_execution, grad_transform=_rms_norm_grad,
 )
