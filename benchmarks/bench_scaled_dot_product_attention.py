@@ -7,13 +7,16 @@ forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 12
 16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
-                                                            [--no-flex] [--tma]
+                                                            [--no-flex] [--atomic-dq]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
 candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
 FlashAttention's own package is not installed on the lent GPU, so SDPA's backends and FlexAttention are the peers.
+
+--atomic-dq: a column for ours with the experimental backward of issue 26 on (dQ added in the dK/dV kernel with
+fp32 atomics: five tile products instead of seven, not deterministic).
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 """
@@ -43,7 +46,8 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
-OURS = ["fl"]  # --tma adds "fl_tma": the experimental tensor-descriptor forward
+OURS = ["fl"]  # --atomic-dq adds "fl_atomic": ours with an experimental switch of issue 26 on
+EXPERIMENTS = {"fl_atomic": "ATOMIC_DQ"}  # column -> the kernels module's switch
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -102,20 +106,9 @@ def _flex(q, k, v, causal):
     return _FLEX["fn"](q, k, v, block_mask=mask)
 
 
-def _fl_tma(q, k, v, causal):
-    """Ours with the experimental tensor-descriptor forward switched on (issue 26)."""
-    K.TMA_FORWARD = True
-    try:
-        return fl.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    finally:
-        K.TMA_FORWARD = False
-
-
 def attention(name):
-    if name == "fl":
+    if name == "fl" or name in EXPERIMENTS:  # measure() switches the experiment on around the whole timing
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
-    if name == "fl_tma":
-        return _fl_tma
     if name == "flex":
         return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -137,6 +130,8 @@ def median_ms(fn, grad_to_none=None) -> float:
 def measure(name, b, h, length, d, causal):
     """(forward ms, forward+backward ms, peak MiB of one forward+backward beyond its inputs)."""
     f = attention(name)
+    if name in EXPERIMENTS:
+        setattr(K, EXPERIMENTS[name], True)
     try:
         q, k, v = make(b, h, length, d, grad=False)
         with torch.no_grad():
@@ -164,6 +159,8 @@ def measure(name, b, h, length, d, causal):
         print(f"  {name} D={d} L={length} causal={causal}: {str(e).splitlines()[0][:100]}", flush=True)
         return None
     finally:
+        if name in EXPERIMENTS:
+            setattr(K, EXPERIMENTS[name], False)
         torch.cuda.empty_cache()
 
 
@@ -276,8 +273,8 @@ def table(best, out_path, quick):
     ratios = {"fwd": [], "fwd+bwd": []}
     cudnn = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | fl TMA | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
-          "fl/best peer | peak MiB fl / flash |", flush=True)
+    print("\n| D | L | causal | mode | fl | fl atomic dQ | flash | cuDNN | efficient | Flex | fl/flash | "
+          "fl/cuDNN | fl/best peer | peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
             cfg = best.get((kind, d, causal)) if best else None
@@ -299,7 +296,8 @@ def table(best, out_path, quick):
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
             row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | "
-                   f"{fmt(tf.get('fl_tma'))} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
+                   f"{fmt(tf.get('fl_atomic'))} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | "
+                   f"{fmt(tf['efficient'])} | "
                    f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {mem} |")
             rows.append(row)
             print(row, flush=True)
@@ -321,8 +319,8 @@ def table(best, out_path, quick):
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | fl TMA | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
-             "fl/best peer | peak MiB fl / flash |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | fl atomic dQ | flash | cuDNN | efficient | Flex | "
+             "fl/flash | fl/cuDNN | fl/best peer | peak MiB fl / flash |", "|" + "---|" * 14, *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -352,7 +350,8 @@ def main():
     ap.add_argument("--sweep-at", default=None, help="B,H,L,D: sweep causal configs at this shape only, no table")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
-    ap.add_argument("--tma", action="store_true", help="also time the experimental tensor-descriptor forward")
+    ap.add_argument("--atomic-dq", action="store_true", help="also time the experimental backward that adds dQ in "
+                    "the dK/dV kernel with atomics (not deterministic)")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     args = ap.parse_args()
@@ -360,8 +359,8 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.no_flex:
         PEERS.remove("flex")
-    if args.tma:
-        OURS.append("fl_tma")
+    if args.atomic_dq:
+        OURS.append("fl_atomic")
     if args.masks:
         from bench_varlen_attention import masks_table
 

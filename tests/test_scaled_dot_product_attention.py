@@ -1319,51 +1319,58 @@ def test_window_never_reads_keys_outside_it(device, backend):
     assert not dk[..., 32:, :].any() and not dv[..., 32:, :].any()
 
 
-TMA_CASES = [  # (B, H, H_kv, L, S, D, causal, layout): lengths off the blocks, GQA, L != S, (B, L, H, D) views
-    (2, 2, 1, 45, 45, 64, True, "bhld"),
-    (1, 4, 2, 37, 70, 64, False, "blhd"),
-    (1, 2, 2, 50, 33, 128, True, "blhd"),
-    (2, 2, 2, 16, 16, 64, False, "bhld"),
+# (B, H, H_kv, L, S, D, causal, mask, window, softcap, dropout_p): dense, causal off the blocks, GQA, masks, a window
+# with the soft-cap, dropout
+ATOMIC_DQ_CASES = [
+    (2, 2, 2, 45, 45, 32, False, None, (-1, -1), 0.0, 0.0),
+    (1, 4, 2, 53, 70, 64, True, None, (-1, -1), 0.0, 0.0),
+    (1, 2, 2, 37, 29, 16, False, "bool", (-1, -1), 0.0, 0.0),
+    (1, 2, 1, 40, 40, 32, False, "float", (-1, -1), 0.0, 0.0),
+    (1, 2, 2, 90, 90, 16, True, None, (30, 0), 1.5, 0.0),
+    (2, 2, 2, 33, 50, 32, False, None, (-1, -1), 0.0, 0.3),
 ]
 
 
-def _tma_inputs(B, H, H_kv, L, S, D, layout, dtype, device):
-    def make(heads, n):
-        if layout == "blhd":  # a transposed view of (B, L, H, D), as a model's projection gives
-            return torch.randn(B, n, heads, D, dtype=dtype, device=device).transpose(1, 2)
-        return torch.randn(B, heads, n, D, dtype=dtype, device=device)
-
-    return make(H, L), make(H_kv, S), make(H_kv, S)
-
-
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
-@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}{'causal' if c[6] else ''}{c[7]}")
-def test_tma_forward_interpreter(case, monkeypatch):
-    """The experimental forward through tensor descriptors (off by default): the pointer kernel's output and
-    logsumexp, and the parity rule against float64, on rows off the blocks, GQA, L != S and strided inputs; inputs a
-    descriptor cannot address (a stride that is not a multiple of 16 bytes) take the pointer kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}{c[7]}w{c[8][0]}p{c[10]}")
+def test_atomic_dq_interpreter(case, dtype, monkeypatch):
+    """The experimental backward that adds dQ in the dK/dV kernel (FUSEDLAYERS_ATOMIC_DQ=1): dK, dV (and a float
+    mask's gradient) bit-for-bit those of the two-kernel backward, dQ equal to its dQ but for the order of the fp32
+    sums, and within the parity rule of a float64 reference."""
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
-    B, H, H_kv, L, S, D, causal, layout = case
+    B, H, H_kv, L, S, D, causal, mask, window, softcap, p = case
     torch.manual_seed(0)
-    q, k, v = _tma_inputs(B, H, H_kv, L, S, D, layout, torch.float16, "cpu")
-    scale = D ** -0.5
-    monkeypatch.setattr(K, "TMA_FORWARD", False)  # whatever FUSEDLAYERS_TMA_FORWARD says
-    pointer = K.attention_forward(q, k, v, None, None, causal, scale)
-    monkeypatch.setattr(K, "TMA_FORWARD", True)
-    described = []
-    monkeypatch.setattr(K, "_descriptor", lambda t, *a, f=K._descriptor: described.append(t) or f(t, *a))
-    out, lse = K.attention_forward(q, k, v, None, None, causal, scale)
-    assert len(described) == 4  # q, k, v and the output went through descriptors
-    torch.testing.assert_close(out, pointer[0], rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(lse, pointer[1], rtol=1e-5, atol=1e-5)
-    G = H // H_kv
-    want = stock_sdpa(q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1), None, causal)
-    got16 = stock_sdpa(q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1), None,
-                       causal).half()
-    assert_parity(out, got16, want, "output")
-    # a stride of D + 1 elements: no descriptor, the pointer kernel
-    described.clear()
-    padded = torch.randn(B, H, L, D + 1, dtype=torch.float16)[..., :D]
-    K.attention_forward(padded, k, v, None, None, causal, scale)
-    assert described == []
+    q, k, v, m = make_inputs(B, H, H_kv, L, S, D, D, dtype, mask=mask, mask_grad=mask == "float")
+    grad = torch.randn(B, H, L, D, dtype=dtype)
+
+    def fused(q_, k_, v_, m_):
+        torch.manual_seed(7)  # the same dropout mask in both runs
+        return fl.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, dropout_p=p, is_causal=causal,
+                                               enable_gqa=H != H_kv, window_size=window, softcap=softcap)
+
+    monkeypatch.setattr(K, "ATOMIC_DQ", False)  # whatever FUSEDLAYERS_ATOMIC_DQ says
+    out, grads = run_with_grads(fused, q, k, v, m, grad, "triton")
+    monkeypatch.setattr(K, "ATOMIC_DQ", True)
+    launched = []
+    monkeypatch.setattr(K, "launch", lambda kernel, *a, f=K.launch, **kw: launched.append(
+        (kernel.__name__, kw.get("DELTA_ONLY"))) or f(kernel, *a, **kw))
+    out_a, grads_a = run_with_grads(fused, q, k, v, m, grad, "triton")
+    # the dQ kernel runs at most for its delta pass (fp32's exact delta), the dK/dV kernel adds dQ
+    assert ("_attn_bwd_dq_kernel", False) not in launched and ("_attn_bwd_dkdv_kernel", None) in launched
+    assert torch.equal(out_a, out)
+    assert len(grads_a) == len(grads) == 3 + (mask == "float")
+    for name, got, want in zip(("dk", "dv", "dmask"), grads_a[1:], grads[1:], strict=False):
+        assert torch.equal(got, want), name
+    assert grads_a[0].dtype == dtype and grads_a[0].stride() == grads[0].stride()
+    torch.testing.assert_close(grads_a[0], grads[0], rtol=1e-3 if dtype == torch.float16 else 1e-5,
+                               atol=1e-3 if dtype == torch.float16 else 1e-6)
+    if p == 0.0:  # (with dropout, the reference would need the kernel's own mask: the equality above covers it)
+        def stock_dq(dt):
+            q_ = q.detach().to(dt).requires_grad_()
+            m_ = m if m is None or m.dtype == torch.bool else m.detach().to(dt)
+            o = explicit_attention(q_, k.to(dt), v.to(dt), m_, causal, window, softcap)
+            return torch.autograd.grad(o, q_, grad.to(dt))[0]
+
+        assert_parity(grads_a[0], stock_dq(dtype), stock_dq(torch.float64), "dq")

@@ -420,66 +420,6 @@ def _attn_fwd_kernel(
     tl.store(Lse + bh.to(tl.int64) * L + offs_m, lse.to(Lse.dtype.element_ty), mask=offs_m < L)
 
 
-# ----------------------------------------------------------------------------- forward through tensor descriptors
-
-
-@triton.jit
-def _tma_scores(qk, qk_scale, rows, cols, S, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Scores in base-2 exponent units; MASKED: keys past S and (causal) right of the diagonal at -inf."""
-    s = qk * qk_scale
-    if MASKED:
-        keep = cols[None, :] < S
-        if IS_CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None])
-        s = tl.where(keep, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _tma_fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, b, hk, lo, hi, rows, S, qk_scale, MASKED: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        k = desc_k.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # rows past S read as zeros
-        s = _tma_scores(tl.dot(q, tl.trans(k)), qk_scale, rows, start_n + offs_n, S, MASKED, IS_CAUSAL)
-        m_ij = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows with every key masked so far: no NaN
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _attn_fwd_tma_kernel(
-    desc_q, desc_k, desc_v, desc_o, Lse, H, GROUP, L, S, qk_scale,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The forward of 16-bit inputs without mask, dropout, window or soft-cap, its tiles moved by tensor
-    descriptors (the tensor memory accelerator on Hopper; out-of-bounds rows read as zeros and are not written):
-    the same online softmax as ``_attn_fwd_kernel``, in base 2."""
-    bh, b, h, hk, m0 = _query_block(H, GROUP, IS_CAUSAL, BLOCK_M)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    q = desc_q.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_hi, hi = _key_range(S, m0, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _tma_fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, b, hk, 0, full_hi, rows, S, qk_scale, False,
-                                   IS_CAUSAL, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _tma_fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, b, hk, full_hi, hi, rows, S, qk_scale, True,
-                                   IS_CAUSAL, BLOCK_N, BLOCK_D)
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc * tl.where(has_keys, 1.0 / l_safe, 0.0)[:, None]
-    desc_o.store([b, h, m0, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("inf"))
-    tl.store(Lse + bh.to(tl.int64) * L + rows, lse, mask=rows < L)
-
-
 # ----------------------------------------------------------------------------- backward
 
 
@@ -504,16 +444,17 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, lo, hi,
     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     RowLo, RowHi,
     CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
+    INTERVALS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
+    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles; with
+    ATOMIC_DQ, also add each query block's share of dQ (dS K, unscaled) into the fp32 rows at dq_base."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -561,7 +502,7 @@ def _bwd_dkdv_inner(
                 dv = _mma(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, IEEE)
             else:
                 dv = _mma(p_t.to(do.dtype), do, dv, IEEE)
-        if COMPUTE_DK or STORE_DS:
+        if COMPUTE_DK or STORE_DS or ATOMIC_DQ:
             if CHECK_ROWS:
                 delta = tl.load(delta_base + offs_m, mask=offs_m < L, other=0.0)
             else:
@@ -577,12 +518,16 @@ def _bwd_dkdv_inner(
                 ds_t = ds_t * (1.0 - t_t * t_t)
             if COMPUTE_DK:
                 dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
+            if ATOMIC_DQ:  # the fifth tile product; fp32 adds from every key block, in no fixed order
+                dq = _mm(tl.trans(ds_t.to(k.dtype)), k, IEEE)
+                tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq,
+                              mask=(offs_m[:, None] < L) & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, RowLo, RowHi, ColLo, ColHi,
+    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, DQ, RowLo, RowHi, ColLo, ColHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -595,7 +540,7 @@ def _attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERVALS: tl.constexpr,
+    INTERVALS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -654,51 +599,53 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
+        dq_base = DQ + bh.to(tl.int64) * L * D
         if WINDOW or INTERVALS:  # masked edges, unmasked middle
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, full_lo,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_lo, full_lo,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, ATOMIC_DQ, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_lo, full_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_lo, full_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_hi, m_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_hi, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, ATOMIC_DQ, BLOCK_M,
             )
         else:
             if IS_CAUSAL:
                 dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
                     m_start, tl.minimum(m_mid, L),
                     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                     cap_mult, RowLo, RowHi, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
                 )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_mid, l_even,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, tl.maximum(m_mid, l_even), L,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
+                tl.maximum(m_mid, l_even), L,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
             )
 
     key_rows = offs_n[:, None] < S
@@ -931,30 +878,10 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
-# Experimental (issue 26): the forward through tensor descriptors, for the inputs ``_tma_forward_ok`` admits. Off until
-# it is timed against the pointer kernel on an H100 and an H200 (FUSEDLAYERS_TMA_FORWARD=1 switches it on, e.g. to
-# run the cuda tests through it); the tests switch it on under the interpreter.
-TMA_FORWARD = os.environ.get("FUSEDLAYERS_TMA_FORWARD", "0") == "1"
-TMA_HEAD_DIMS = (64, 128)
-
-
-def _tma_forward_ok(q, k, v, out, mask, dropout, scale, window, softcap, intervals) -> bool:
-    """The descriptor forward's cases: fp16/bf16, D = Dv in TMA_HEAD_DIMS, no mask, dropout, window, soft-cap or
-    intervals, scale >= 0 (base-2 row max), and tensors a descriptor can address: last stride 1, every other stride
-    a non-zero multiple of 16 bytes, 16-byte aligned base (others run the pointer kernel)."""
-    if not (TMA_FORWARD and mask is None and dropout is None and intervals is None and softcap == 0.0
-            and tuple(window) == (-1, -1) and scale >= 0.0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] == v.shape[-1] in TMA_HEAD_DIMS):
-        return False
-    per16 = 16 // q.element_size()
-    return all(t.stride(-1) == 1 and all(st > 0 and st % per16 == 0 for st in t.stride()[:-1])
-               and t.data_ptr() % 16 == 0 for t in (q, k, v, out))
-
-
-def _descriptor(t: torch.Tensor, rows: int, d: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d])
+# Experimental (issue 26): dQ added up by the dK/dV kernel, each key block's share with fp32 atomic adds: five tile
+# products per (query, key) block instead of the two kernels' seven, but the order of the adds is not fixed, so dQ is
+# not bit-for-bit reproducible. Off by default (deterministic); FUSEDLAYERS_ATOMIC_DQ=1 switches it on.
+ATOMIC_DQ = os.environ.get("FUSEDLAYERS_ATOMIC_DQ", "0") == "1"
 
 
 def attention_forward(
@@ -986,15 +913,6 @@ def attention_forward(
     if out.numel() == 0:
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
-    if _tma_forward_ok(q, k, v, out, mask, dropout, scale, window, softcap, intervals):
-        # through Triton's own launch path: the descriptors are not plain arguments for ``launch``
-        _attn_fwd_tma_kernel[(cdiv(L, cfg.block_m), B * H)](
-            _descriptor(q, cfg.block_m, D), _descriptor(k, cfg.block_n, D), _descriptor(v, cfg.block_n, D),
-            _descriptor(out, cfg.block_m, D), lse, H, H // H_kv, L, S, _exponent_scale(q.dtype, scale),
-            IS_CAUSAL=is_causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=D,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out, lse
     mask_t, ms, mask_bool = _mask_args(mask, q)
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     bd, bdv = _head_block(D), _head_block(DV)
@@ -1067,17 +985,20 @@ def attention_backward(
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
-    if need_dk or need_dv or need_dmask:
+    atomic_dq = need_dq and ATOMIC_DQ
+    dq_acc = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev) if atomic_dq else delta
+    if need_dk or need_dv or need_dmask or atomic_dq:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
-            q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t,
-            ds if need_dmask else delta, row_lo, row_hi, col_lo, col_hi, *strides, *dk_t.stride(), *dv_t.stride(),
-            *scalars,
-            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
+            q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t, ds if need_dmask else delta, dq_acc,
+            row_lo, row_hi, col_lo, col_hi, *strides, *dk_t.stride(), *dv_t.stride(), *scalars,
+            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, ATOMIC_DQ=atomic_dq, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if need_dq:
+    if atomic_dq:
+        dq.copy_(dq_acc.mul_(scale))
+    elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask_t, row_lo, row_hi, *strides, *dq.stride(), *scalars, **common,
