@@ -7,16 +7,13 @@ forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 12
 16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
-                                                            [--no-flex] [--atomic-dq]
+                                                            [--no-flex]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
 candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
 FlashAttention's own package is not installed on the lent GPU, so SDPA's backends and FlexAttention are the peers.
-
---atomic-dq: a column for ours with the experimental backward of issue 26 on (dQ added in the dK/dV kernel with
-fp32 atomics: five tile products instead of seven, not deterministic).
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 """
@@ -46,8 +43,7 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
-OURS = ["fl"]  # --atomic-dq adds "fl_atomic": ours with an experimental switch of issue 26 on
-EXPERIMENTS = {"fl_atomic": "ATOMIC_DQ"}  # column -> the kernels module's switch
+OURS = ["fl"]
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -59,7 +55,8 @@ CANDIDATES = {
     ("dq", 64): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
     ("dq", 128): [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2)],
 }
-# --sweep-at: more candidates, for D = 64 causal at one shape (short sequences: smaller tiles balance better).
+# --sweep-at: more candidates at one causal shape: D = 64 (short sequences: smaller tiles balance better) and D = 256
+# (the table's weakest head dim: 0.42-0.79x SDPA's flash backend on an H100, session 4, with the first entries here).
 WIDE_CANDIDATES = {
     ("fwd", 64): [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3),
                   (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2)],
@@ -67,6 +64,12 @@ WIDE_CANDIDATES = {
                    (64, 64, 4, 3), (32, 128, 4, 3), (16, 64, 4, 3), (64, 128, 8, 3), (32, 64, 8, 3)],
     ("dq", 64): [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2),
                  (128, 64, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (128, 128, 8, 2), (64, 64, 8, 3)],
+    ("fwd", 256): [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2),
+                   (128, 64, 8, 1), (64, 128, 8, 2), (64, 64, 8, 3), (64, 32, 8, 3), (128, 32, 8, 3)],
+    ("dkdv", 256): [(32, 32, 8, 1), (16, 64, 8, 2), (32, 64, 8, 1), (32, 64, 8, 2), (16, 32, 4, 2),
+                    (32, 32, 8, 2), (64, 32, 8, 1), (16, 128, 8, 1), (32, 32, 4, 2), (64, 64, 8, 1)],
+    ("dq", 256): [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2),
+                  (64, 16, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (32, 32, 4, 2), (64, 32, 4, 3)],
 }
 OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG"}
 
@@ -107,7 +110,7 @@ def _flex(q, k, v, causal):
 
 
 def attention(name):
-    if name == "fl" or name in EXPERIMENTS:  # measure() switches the experiment on around the whole timing
+    if name == "fl":
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
     if name == "flex":
         return _flex
@@ -130,8 +133,6 @@ def median_ms(fn, grad_to_none=None) -> float:
 def measure(name, b, h, length, d, causal):
     """(forward ms, forward+backward ms, peak MiB of one forward+backward beyond its inputs)."""
     f = attention(name)
-    if name in EXPERIMENTS:
-        setattr(K, EXPERIMENTS[name], True)
     try:
         q, k, v = make(b, h, length, d, grad=False)
         with torch.no_grad():
@@ -159,8 +160,6 @@ def measure(name, b, h, length, d, causal):
         print(f"  {name} D={d} L={length} causal={causal}: {str(e).splitlines()[0][:100]}", flush=True)
         return None
     finally:
-        if name in EXPERIMENTS:
-            setattr(K, EXPERIMENTS[name], False)
         torch.cuda.empty_cache()
 
 
@@ -273,8 +272,8 @@ def table(best, out_path, quick):
     ratios = {"fwd": [], "fwd+bwd": []}
     cudnn = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | fl atomic dQ | flash | cuDNN | efficient | Flex | fl/flash | "
-          "fl/cuDNN | fl/best peer | peak MiB fl / flash |", flush=True)
+    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | fl/best peer | "
+          "peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
             cfg = best.get((kind, d, causal)) if best else None
@@ -296,8 +295,7 @@ def table(best, out_path, quick):
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
             row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | "
-                   f"{fmt(tf.get('fl_atomic'))} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | "
-                   f"{fmt(tf['efficient'])} | "
+                   f"{fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
                    f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {mem} |")
             rows.append(row)
             print(row, flush=True)
@@ -319,8 +317,8 @@ def table(best, out_path, quick):
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | fl atomic dQ | flash | cuDNN | efficient | Flex | "
-             "fl/flash | fl/cuDNN | fl/best peer | peak MiB fl / flash |", "|" + "---|" * 14, *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | Flex | "
+             "fl/flash | fl/cuDNN | fl/best peer | peak MiB fl / flash |", "|" + "---|" * 13, *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -350,8 +348,6 @@ def main():
     ap.add_argument("--sweep-at", default=None, help="B,H,L,D: sweep causal configs at this shape only, no table")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
-    ap.add_argument("--atomic-dq", action="store_true", help="also time the experimental backward that adds dQ in "
-                    "the dK/dV kernel with atomics (not deterministic)")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     args = ap.parse_args()
@@ -359,8 +355,6 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.no_flex:
         PEERS.remove("flex")
-    if args.atomic_dq:
-        OURS.append("fl_atomic")
     if args.masks:
         from bench_varlen_attention import masks_table
 

@@ -444,17 +444,16 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, lo, hi,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
     RowLo, RowHi,
     CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERVALS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles; with
-    ATOMIC_DQ, also add each query block's share of dQ (dS K, unscaled) into the fp32 rows at dq_base."""
+    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -502,7 +501,7 @@ def _bwd_dkdv_inner(
                 dv = _mma(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, IEEE)
             else:
                 dv = _mma(p_t.to(do.dtype), do, dv, IEEE)
-        if COMPUTE_DK or STORE_DS or ATOMIC_DQ:
+        if COMPUTE_DK or STORE_DS:
             if CHECK_ROWS:
                 delta = tl.load(delta_base + offs_m, mask=offs_m < L, other=0.0)
             else:
@@ -518,16 +517,12 @@ def _bwd_dkdv_inner(
                 ds_t = ds_t * (1.0 - t_t * t_t)
             if COMPUTE_DK:
                 dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
-            if ATOMIC_DQ:  # the fifth tile product; fp32 adds from every key block, in no fixed order
-                dq = _mm(tl.trans(ds_t.to(k.dtype)), k, IEEE)
-                tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq,
-                              mask=(offs_m[:, None] < L) & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, DQ, RowLo, RowHi, ColLo, ColHi,
+    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, RowLo, RowHi, ColLo, ColHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -540,7 +535,7 @@ def _attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERVALS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -599,53 +594,52 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
-        dq_base = DQ + bh.to(tl.int64) * L * D
         if WINDOW or INTERVALS:  # masked edges, unmasked middle
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_lo, full_lo,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, full_lo,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, ATOMIC_DQ, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_lo, full_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_lo, full_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_hi, m_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_hi, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, ATOMIC_DQ, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
             )
         else:
             if IS_CAUSAL:
                 dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
                     m_start, tl.minimum(m_mid, L),
                     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                     L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                     cap_mult, RowLo, RowHi, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
+                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
                 )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_mid, l_even,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
                 tl.maximum(m_mid, l_even), L,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
                 L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
                 cap_mult, RowLo, RowHi, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, ATOMIC_DQ, BLOCK_M,
+                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
 
     key_rows = offs_n[:, None] < S
@@ -878,12 +872,6 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
-# Experimental (issue 26): dQ added up by the dK/dV kernel, each key block's share with fp32 atomic adds: five tile
-# products per (query, key) block instead of the two kernels' seven, but the order of the adds is not fixed, so dQ is
-# not bit-for-bit reproducible. Off by default (deterministic); FUSEDLAYERS_ATOMIC_DQ=1 switches it on.
-ATOMIC_DQ = os.environ.get("FUSEDLAYERS_ATOMIC_DQ", "0") == "1"
-
-
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
@@ -985,20 +973,16 @@ def attention_backward(
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
-    atomic_dq = need_dq and ATOMIC_DQ
-    dq_acc = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev) if atomic_dq else delta
-    if need_dk or need_dv or need_dmask or atomic_dq:
+    if need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
-            q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t, ds if need_dmask else delta, dq_acc,
+            q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t, ds if need_dmask else delta,
             row_lo, row_hi, col_lo, col_hi, *strides, *dk_t.stride(), *dv_t.stride(), *scalars,
-            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, ATOMIC_DQ=atomic_dq, **common,
+            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if atomic_dq:
-        dq.copy_(dq_acc.mul_(scale))
-    elif need_dq:
+    if need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask_t, row_lo, row_hi, *strides, *dq.stride(), *scalars, **common,
