@@ -18,6 +18,8 @@ cos/sin once (fp32). Every tensor is addressed through its strides
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -76,6 +78,22 @@ def _block_h(half: int, heads: int) -> int:
     return max(1, min(next_power_of_2(heads), MAX_BLOCK_ELEMENTS // next_power_of_2(half)))
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(d: int, hq: int, hk: int) -> tuple[int, int, int, int]:
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_D, head blocks per position) for head dim d: worked out once per shape, since every
+    layer of a model calls with the same ones (these rows are host-bound at short sequences)."""
+    block_hq, block_hk = _block_h(d // 2, hq), _block_h(d // 2, hk)
+    return block_hq, block_hk, next_power_of_2(d // 2), max(-(-hq // block_hq), -(-hk // block_hk))
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, position, dim) strides of cos/sin of shape (T, D) or (B or 1, T, D), stride 0 where broadcast (what
+    ``t.expand(B, T, D).stride()`` gives, without building the view)."""
+    if t.dim() == 2:
+        return 0, t.stride(0), t.stride(1)
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+
+
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
            k_dtype: torch.dtype, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(q', k'): q and k (B, H, T, D), any strides, rotated by cos/sin ((T, D) or (B or 1, T, D)), in new tensors of
@@ -84,11 +102,8 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     HK = k.shape[1]
     oq = torch.empty_like(q, dtype=q_dtype)
     ok = torch.empty_like(k, dtype=k_dtype)
-    cos = (cos if cos.dim() == 3 else cos[None]).expand(B, T, D)
-    sin = (sin if sin.dim() == 3 else sin[None]).expand(B, T, D)
-    block_hq, block_hk = _block_h(D // 2, HQ), _block_h(D // 2, HK)
-    grid = (B * T, max(-(-HQ // block_hq), -(-HK // block_hk)))
-    launch(_rotary_kernel, grid, q, k, oq, ok, cos, sin, T, HQ, HK, *q.stride(), *k.stride(), *oq.stride(),
-           *ok.stride(), *cos.stride(), *sin.stride(), HALF=D // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-           BLOCK_D=next_power_of_2(D // 2), BACKWARD=backward)
+    block_hq, block_hk, block_d, n_blocks = _plan(D, HQ, HK)
+    launch(_rotary_kernel, (B * T, n_blocks), q, k, oq, ok, cos, sin, T, HQ, HK, *q.stride(), *k.stride(),
+           *oq.stride(), *ok.stride(), *_broadcast_strides(cos), *_broadcast_strides(sin), HALF=D // 2,
+           BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward)
     return oq, ok
