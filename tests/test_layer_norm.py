@@ -11,7 +11,7 @@ from torch.library import opcheck
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
-from tests.test_rms_norm import BACKENDS, SHAPES, check_parity, recorded_backward_calls
+from tests.test_rms_norm import BACKENDS, SHAPES, check_parity, recorded_backward_calls, strided_param
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +109,7 @@ def test_non_contiguous(backend):
             r = torch.randn(x.shape[::-1]).permute(*range(x.dim() - 1, -1, -1)).requires_grad_()
             _check_ln(x.requires_grad_(), shape, w, b)
             _check_ln(x, shape, w, b, r)
+            _check_ln(x, shape, strided_param(shape), strided_param(shape))  # strided views (the kernels copy them)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -178,6 +178,13 @@ def test_backward_programs_own_row_ranges(monkeypatch, backend):
         _check_case((24,), _inputs((203, 24), (24,), torch.float32))
 
 
+def strided_param(shape) -> torch.Tensor:
+    """A parameter of ``shape`` that is not contiguous: every other element of a longer vector, or a transpose."""
+    if len(shape) == 1:
+        return torch.randn(2 * shape[0])[::2].requires_grad_()
+    return torch.randn(shape[::-1]).permute(*range(len(shape) - 1, -1, -1)).requires_grad_()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous(backend):
     base = torch.randn(6, 40, 9)
@@ -190,6 +197,7 @@ def test_non_contiguous(backend):
             r = torch.randn(x.shape[::-1]).permute(*range(x.dim() - 1, -1, -1)).requires_grad_()  # strided too
             _check_rms(x.requires_grad_(), shape, w)
             _check_rms(x, shape, w, r)
+            _check_rms(x, shape, strided_param(shape))  # a weight that is a strided view (the kernels copy it)
         # an expanded (stride 0) gradient, as from .sum()
         x = torch.randn(4, 16, requires_grad=True)
         fl.rms_norm(x, (16,), eps=1e-6).sum().backward()

@@ -420,10 +420,22 @@ def backward_plan(n_cols: int, element_size: int, device: torch.device, rms: boo
     return BackwardPlan({**flags, **meta}, config.block_m, 1, _multiprocessors(device) * config.programs_per_sm, {})
 
 
+@functools.lru_cache(maxsize=1024)
+def _backward_grid(n_rows: int, block_m: int, max_programs: int, reduce_params: bool) -> tuple[int, int]:
+    """(programs, rows per program) of the backward kernel. With weight/bias gradients to reduce: a few programs per
+    SM, each a contiguous range of rows (its partial sums one row of ``parts``); else one program per row block."""
+    if not reduce_params:
+        return cdiv(n_rows, block_m), block_m
+    programs = max(1, min(max_programs, cdiv(n_rows, max(BWD_MIN_ROWS, block_m))))
+    rows_per_program = cdiv(cdiv(n_rows, programs), block_m) * block_m
+    return cdiv(n_rows, rows_per_program), rows_per_program
+
+
 def forget_plans() -> None:
     """Drop the memoized launch plans (after changing the tuning constants above, as tests and the tuner do)."""
     forward_plan.cache_clear()
     backward_plan.cache_clear()
+    _backward_grid.cache_clear()
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -439,7 +451,10 @@ def rows_view(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int, int, int
 
 
 def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.reshape(-1)
+    """A parameter as the contiguous vector of n_cols the kernels index (a copy only for a strided one)."""
+    if p is None or (p.dim() == 1 and p.is_contiguous()):  # the usual case, without making a view (host time)
+        return p
+    return p.reshape(-1).contiguous()
 
 
 def norm_forward(x: torch.Tensor, n_cols: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -490,14 +505,7 @@ def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torc
     w = _flat(weight)
     plan = backward_plan(n_cols, max(x.element_size(), grad.element_size()), x.device, rms, w is not None,
                          grad_residual is not None, need_dx, need_dw, need_db)
-    block_m = plan.block_m
-    if need_dw or need_db:  # a few programs per SM, each a contiguous range of rows
-        programs = max(1, min(plan.max_programs, cdiv(n_rows, max(BWD_MIN_ROWS, block_m))))
-        rows_per_program = cdiv(cdiv(n_rows, programs), block_m) * block_m
-        programs = cdiv(n_rows, rows_per_program)
-    else:
-        rows_per_program = block_m
-        programs = cdiv(n_rows, block_m)
+    programs, rows_per_program = _backward_grid(n_rows, plan.block_m, plan.max_programs, need_dw or need_db)
     n_out = int(need_dw) + int(need_db)
     parts = torch.empty((max(n_out, 1), programs, n_cols) if n_out else (1,), dtype=torch.float32, device=x.device)
     sums = stats
@@ -505,8 +513,9 @@ def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torc
         sums = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
         launch(_norm_bwd_row_sums_kernel, (n_rows,), g2, x2, w if w is not None else x2, stats, sums,
                n_rows, n_cols, stride_dyr, stride_dyc, stride_xr, stride_xc, **plan.loop_meta)
-    dw_parts = parts[0] if need_dw else parts
-    db_parts = parts[int(need_dw)] if need_db else parts
+    # the slabs of parts: dw's is its first (parts itself: no view to make), db's the next one when both are asked
+    db_parts = parts[1] if need_dw and need_db else parts
+    dw_parts = parts
     launch(_norm_bwd_kernel, (programs, plan.col_chunks), g2, x2, w if w is not None else x2, stats,
            gr2, sums, dx if dx is not None else x2, dw_parts, db_parts,
            n_rows, n_cols, rows_per_program, stride_dyr, stride_dyc, stride_xr, stride_xc, stride_gr, stride_gc,

@@ -156,8 +156,8 @@ def grad_plan(ctx, input_index: int, residual_index: int) -> tuple[bool, bool, t
 
 def split_dh(dh: Tensor | None, ctx, need_input: bool, need_residual: bool) -> tuple[Tensor | None, Tensor | None]:
     """dh (the gradient of h = input + residual) as the input's and the residual's gradients."""
-    grad_input = dh.to(ctx.input_dtype) if need_input else None
-    grad_residual = dh.to(ctx.residual_dtype) if need_residual else None
+    grad_input = _as(dh, ctx.input_dtype) if need_input else None
+    grad_residual = _as(dh, ctx.residual_dtype) if need_residual else None
     return grad_input, grad_residual
 
 
@@ -171,6 +171,11 @@ def empty_grads(x: Tensor, weight: Tensor | None, normalized_shape, dx_dtype: to
     return (x.new_empty(x.shape, dtype=dx_dtype) if need_dx else none(),
             weight.new_empty(weight.shape) if need_dw else none(),
             x.new_empty(tuple(normalized_shape), dtype=bias_dtype) if need_db else none())
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, skipping the call where it would return t (host time: the backward runs per layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def or_empty(t: Tensor | None, like: Tensor) -> Tensor:

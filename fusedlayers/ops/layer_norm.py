@@ -72,8 +72,8 @@ def layer_norm_backward(grad: Tensor, x: Tensor, normalized_shape: list[int], we
         _, n_cols = _norm.rows_of(x, normalized_shape)
         dx, dw, db = kernels.layer_norm_backward(grad, x, n_cols, weight, stats, grad_residual, dx_dtype,
                                                  bias_dtype, need_dx, need_dw, need_db)
-        dw = dw.view(weight.shape) if dw is not None else None
-        db = db.view(normalized_shape) if db is not None else None
+        dw = dw.view(weight.shape) if dw is not None and weight.dim() != 1 else dw
+        db = db.view(normalized_shape) if db is not None and len(normalized_shape) != 1 else db
     else:
         dx, dw, db = _norm.norm_backward_reference(grad, x, normalized_shape, weight, stats, grad_residual,
                                                    dx_dtype, bias_dtype, need_dx, need_dw, need_db, rms=False)

@@ -69,7 +69,7 @@ def rms_norm_backward(grad: Tensor, x: Tensor, normalized_shape: list[int], weig
     if _norm.run_kernel(x, grad, weight, grad_residual):
         _, n_cols = _norm.rows_of(x, normalized_shape)
         dx, dw = kernels.rms_norm_backward(grad, x, n_cols, weight, rstd, grad_residual, dx_dtype, need_dx, need_dw)
-        dw = dw.view(weight.shape) if dw is not None else None
+        dw = dw.view(weight.shape) if dw is not None and weight.dim() != 1 else dw
     else:
         dx, dw, _ = _norm.norm_backward_reference(grad, x, normalized_shape, weight, rstd, grad_residual, dx_dtype,
                                                   None, need_dx, need_dw, False, rms=True)
