@@ -1317,3 +1317,17 @@ def test_window_never_reads_keys_outside_it(device, backend):
         assert not got.isnan().any(), name
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, msg=name)
     assert not dk[..., 32:, :].any() and not dv[..., 32:, :].any()
+
+
+def test_wide_head_dim_configs_only_where_both_widths_are_wide():
+    """The D = 256 block configs swept on an H100 apply where q/k's and v's head dims both pad to 256; a mixed pair
+    such as (200, 3) keeps the general table (the wide forward config gave wrong outputs there), and fp32 its own."""
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    for kind in ("fwd", "dkdv", "dq"):
+        for d, dv in ((256, 256), (136, 256), (200, 200)):
+            assert K.kernel_config(kind, cuda, bf16, d, dv, True) == K._WIDE[kind]
+        general = {"fwd": K._FWD, "dkdv": K._DKDV, "dq": K._DQ}[kind][256]
+        assert K.kernel_config(kind, cuda, bf16, 200, 3, False) == general != K._WIDE[kind]
+        assert K.kernel_config(kind, cuda, torch.float32, 256, 256, False) != K._WIDE[kind]
