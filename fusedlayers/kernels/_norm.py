@@ -420,7 +420,6 @@ def backward_plan(n_cols: int, element_size: int, device: torch.device, rms: boo
     return BackwardPlan({**flags, **meta}, config.block_m, 1, _multiprocessors(device) * config.programs_per_sm, {})
 
 
-@functools.lru_cache(maxsize=1024)
 def _backward_grid(n_rows: int, block_m: int, max_programs: int, reduce_params: bool) -> tuple[int, int]:
     """(programs, rows per program) of the backward kernel. With weight/bias gradients to reduce: a few programs per
     SM, each a contiguous range of rows (its partial sums one row of ``parts``); else one program per row block."""
@@ -435,7 +434,6 @@ def forget_plans() -> None:
     """Drop the memoized launch plans (after changing the tuning constants above, as tests and the tuner do)."""
     forward_plan.cache_clear()
     backward_plan.cache_clear()
-    _backward_grid.cache_clear()
 
 
 # ----------------------------------------------------------------------------- launchers
