@@ -1331,3 +1331,45 @@ def test_wide_head_dim_configs_only_where_both_widths_are_wide():
         general = {"fwd": K._FWD, "dkdv": K._DKDV, "dq": K._DQ}[kind][256]
         assert K.kernel_config(kind, cuda, bf16, 200, 3, False) == general != K._WIDE[kind]
         assert K.kernel_config(kind, cuda, torch.float32, 256, 256, False) != K._WIDE[kind]
+
+
+# (B, H, H_kv, L, S, D, causal): the Hopper (Gluon) forward's tile configs, with ragged L and S (TMA zero-fill past
+# the end, the last key block masked), L != S both ways, GQA
+HOPPER_CASES = [
+    (2, 4, 4, 1000, 1000, 128, False),  # 64 x 128 tiles, one-deep V ring
+    (2, 4, 4, 333, 777, 64, False),
+    (1, 8, 2, 1000, 1000, 128, True),
+    (1, 4, 4, 1000, 600, 64, True),  # rows past S see every key
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_CASES])
+def test_cuda_hopper_forward(case, layout, monkeypatch):
+    """On an H100/H200 the plain bf16 forward runs the Gluon kernel (fusedlayers/kernels/_attention_hopper.py), the
+    backward the Triton kernels on its logsumexp: parity of the output and every gradient, for q/k/v laid out as
+    (B, H, T, D) and as models make them, (B, T, H, D) memory seen through a transpose."""
+    from fusedlayers.kernels import _attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where it takes over
+    B, H, H_kv, L, S, D, causal = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.bfloat16, device="cuda")
+    if layout == "bthd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert hopper.applies(q, k, v, True, D**-0.5, causal)
+    check_parity(q, k, v, None, causal)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_forward_falls_back_where_the_tma_cannot_read(monkeypatch):
+    """A tensor whose base is not 16-byte aligned cannot be described to the TMA: the Triton forward runs it."""
+    from fusedlayers.kernels import _attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+
+    flat = torch.randn(3 * 2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    q, k, v = flat[1:].view(3, 2, 4, 256, 64).unbind(0)  # 2 bytes past an aligned address
+    assert not hopper.applies(q, k, v, True, 0.125, True)
+    check_parity(q, k, v, None, True)

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedlayers.kernels import _attention_hopper as hopper
 from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -906,6 +907,10 @@ def attention_forward(
         lse_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
         lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
+        return out, lse
+    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
+    if hopper.enabled and hopper.applies(q, k, v, plain, scale, is_causal):
+        hopper.attention_forward(q, k, v, is_causal, scale, out, lse)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)

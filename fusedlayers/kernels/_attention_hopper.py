@@ -1,0 +1,227 @@
+"""The attention forward for Hopper GPUs (sm_90), in Gluon: FA3's intra-warpgroup overlap written out.
+
+Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
+matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: here the next block's S = Q K^T and this
+block's O += P V are both in flight while the softmax of S runs, and K and V arrive by TMA (the bulk tensor copy
+engine) into rings of shared memory, each buffer refilled as soon as the product that read it has retired. Two
+programs share an SM (one warpgroup each), so one's softmax also runs under the other's products.
+
+Measured on an H100 against the Triton forward in the same process (bf16, B*L = 16384, H*D = 2048, L 1K-16K, three
+runs; benchmarks/results/h100-attention-experiments.md): D128 forward 1.10-1.17x not causal, 1.04-1.09x causal at
+L >= 2048 (517-551 TFLOP/s not causal at L >= 2048); D64 1.01-1.10x. Forward+backward 0.99-1.16x (the backward is the
+Triton one). cuDNN's forward is still ahead: this one is 0.84-0.89x of it at D128 not causal, 0.90-0.99x at D64.
+
+It covers the plain forward only: fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout, window, softcap
+or packed sequences, a positive scale, and inputs the TMA can describe (last dim contiguous, other strides and the
+base 16-byte aligned). Everything else, the backward, other GPUs and the interpreter run the Triton kernels, whose
+logsumexp this kernel writes in the same units (natural log, fp32), so their backward takes its output as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusedlayers.kernels import cdiv
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon's Hopper module: the Triton kernels run
+    gluon = None
+
+LOG2E = 1.4426950408889634
+enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the Triton forward everywhere (A/B timing)
+# (BLOCK_M, BLOCK_N, V ring depth) per (head dim, causal), 4 warps: the fastest of five shapes each on an H100.
+# 64 x 128 tiles with a one-deep V ring keep two programs (115 KB of shared memory each) on an SM at D128;
+# causal needs BLOCK_M to be a multiple of BLOCK_N (the diagonal block).
+_CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2)}
+
+
+# Smaller calls keep the Triton forward. At B*L = 16384, H*D = 2048 (4 * 16384 * 2048 * L flops, half of it causal)
+# the causal L = 1024 shapes (2**36) timed 0.82-1.01x the Triton path forward+backward in three H100 runs (D64; the
+# forward alone 1.15x), as if this launch's host time (three TMA descriptors, Gluon's launcher) were not hidden
+# there; from 2**37 up (L = 1024 not causal, L >= 2048) the forward was 1.01-1.17x and forward+backward 0.99-1.16x
+# in every run but one transient forward sample (benchmarks/results/h100-attention-experiments.md).
+MIN_FLOPS = 2**37
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool) -> bool:
+    """Whether this kernel runs the call: ``plain`` = no mask, dropout, window, softcap or packed sequences."""
+    if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    B, H, L, D = q.shape
+    if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    return all(_tma_compatible(t) for t in (q, k, v))
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    outer = zip(t.shape[:-1], t.stride()[:-1], strict=True)
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(n == 1 or (s > 0 and s * t.element_size() % 16 == 0) for n, s in outer))
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A 4-D descriptor over (B, H, L, D) with t's strides (a size-1 dim gets any aligned stride), loading
+    (1, 1, block_rows, D) tiles: rows past L read as zeros."""
+    shape = list(t.shape)
+    strides = [s if n > 1 else t.shape[-1] for n, s in zip(shape, t.stride(), strict=True)]
+    block = [1, 1, block_rows, shape[-1]]
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def attention_forward(q, k, v, is_causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32) for q (B, H, L, D), k/v (B, H_kv, S, D)."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    block_m, block_n, v_bufs = _CONFIGS[(D, is_causal)]
+    grid = (cdiv(L, block_m), B * H)
+    _attn_fwd_hopper[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        *out.stride(), H, H // k.shape[1], L, S, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
+        num_warps=4,
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, offs_m, start_n, q_lo, S,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, s_layout: gl.constexpr):
+        """p = exp2(s * scale - m) with the running max m and sum l updated; alpha rescales the output."""
+        if CAUSAL or not EVEN_S:
+            # the blocks that cross the diagonal, the ragged last one (the TMA reads zeros past S)
+            if (CAUSAL and start_n + BLOCK_N > q_lo) or (not EVEN_S and start_n + BLOCK_N > S):
+                offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(offs_n < S, 0)
+                if CAUSAL:
+                    keep = keep & (gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0))
+                s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # one FMA per score
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _load(desc, b, h, row, bar, dst, pred):
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst, pred=pred)
+
+    @gluon.jit
+    def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_ob, stride_oh, stride_om, stride_od,
+                         H, GROUP, L, S, qk_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                         EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        if CAUSAL:  # the longest rows first: the short ones fill the last wave
+            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        else:
+            pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        q_lo = pid_m * BLOCK_M
+        if CAUSAL:
+            n = gl.cdiv(gl.minimum(q_lo + BLOCK_M, S), BLOCK_N)
+        else:
+            n = gl.cdiv(S, BLOCK_N)
+
+        # the (1, 1, rows, D) tiles the descriptors load, viewed as (rows, D) by the products
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_BUFS, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [V_BUFS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(k_bar.index(i), count=1)
+        for i in gl.static_range(V_BUFS):
+            mbarrier.init(v_bar.index(i), count=1)
+        fence_async_shared()
+
+        _load(q_desc, b, h, q_lo, q_bar, q_smem, True)
+        for i in gl.static_range(2):
+            _load(k_desc, b, hk, i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
+        for i in gl.static_range(V_BUFS):
+            _load(v_desc, b, hk, i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
+        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+        offs_m = q_lo + gl.arange(0, BLOCK_M, layout=row_s)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bar, phase=0)
+        mbarrier.wait(k_bar.index(0), phase=0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        _load(k_desc, b, hk, 2 * BLOCK_N, k_bar.index(0), k_smem.index(0), 2 < n)  # K_0 read: its buffer takes K_2
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, q_lo, S, BLOCK_N, CAUSAL, EVEN_S,
+                                           s_layout)
+        for j in range(1, n):
+            buf = j % 2
+            prev = (j - 1) % V_BUFS
+            mbarrier.wait(k_bar.index(buf), phase=(j // 2) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), phase=((j - 1) // V_BUFS) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+            _load(k_desc, b, hk, (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, q_lo, S, BLOCK_N, CAUSAL,
+                                               EVEN_S, s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _load(v_desc, b, hk, (j - 1 + V_BUFS) * BLOCK_N, v_bar.index(prev), v_smem.index(prev),
+                  j - 1 + V_BUFS < n)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        last = n - 1
+        mbarrier.wait(v_bar.index(last % V_BUFS), phase=(last // V_BUFS) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                            v_smem.index(last % V_BUFS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(k_bar.index(i))
+        for i in gl.static_range(V_BUFS):
+            mbarrier.invalidate(v_bar.index(i))
+
+        # every row sees at least key 0 (no mask here): l > 0
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        gl.store(Lse + bh.to(gl.int64) * L + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < L)
+        offs_mo = q_lo + gl.arange(0, BLOCK_M, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                + gl.expand_dims(offs_mo, 1) * stride_om + gl.expand_dims(offs_d, 0) * stride_od)
+        gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(offs_mo < L, 1))
