@@ -8,8 +8,11 @@ import json
 import logging
 import math
 import pickle
+import signal
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +107,33 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
+@contextmanager
+def _stop_on_ctrl_c(trainer: L.Trainer):
+    """The first Ctrl-C asks Lightning to stop after the current step (``trainer.should_stop``); a second one
+    interrupts at once, as Python's default handler does. A KeyboardInterrupt raised wherever the main thread happens
+    to be (a data loader's iterator, a checkpoint write) once left a run hanging in CI; a flag leaves the stop to
+    the training loop. Yields {"pressed": bool}. Outside the main thread (no signals there) it changes nothing."""
+    state = {"pressed": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_ctrl_c(signum, frame):
+        if state["pressed"]:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        state["pressed"] = True
+        trainer.should_stop = True
+        log.warning("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)")
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
     out = Path(cfg.paths.output_dir)
     validate_choices(cfg)
@@ -155,14 +185,22 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path:
         check_checkpoint_is_safe(ckpt_path)  # refused before training starts, naming what it holds
+    on_exc = next((c for c in callbacks if isinstance(c, InterruptCheckpoint)), None)
     try:
-        # torch.load(weights_only=True): tensors and plain values only (see models.lit)
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, **weights_only_kwargs(trainer.fit))
+        with _stop_on_ctrl_c(trainer) as ctrl_c:
+            # torch.load(weights_only=True): tensors and plain values only (see models.lit)
+            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, **weights_only_kwargs(trainer.fit))
+        # any rank's Ctrl-C stopped every rank after the step it was in (Lightning syncs should_stop); all ranks save
+        # the full state together, for ckpt_path= to resume
+        if trainer.strategy.reduce_boolean_decision(ctrl_c["pressed"], all=False):
+            interrupted = True
+            if on_exc is not None and not trainer.fast_dev_run:
+                trainer.save_checkpoint(on_exc.ckpt_path, weights_only=False)
     except UnsafeCheckpointError:
         raise
     except pickle.UnpicklingError as e:  # what the scan could not see (torch without it, a remote file)
         raise _refusal(ckpt_path, "objects that the weights-only unpickler refuses") from e
-    except SystemExit:  # Lightning turns Ctrl-C into sys.exit(1) after saving the on-exception checkpoint
+    except SystemExit:  # a second Ctrl-C: Lightning's sys.exit(1) after saving the on-exception checkpoint
         if trainer.state.status.value != "interrupted":
             raise
         interrupted = True
@@ -185,7 +223,6 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
             )
             trainer.save_checkpoint(ckpt.last_model_path, weights_only=False)  # the full state, as ModelCheckpoint
 
-    on_exc = next((c for c in callbacks if isinstance(c, InterruptCheckpoint)), None)
     val_loss = module.val_history[-1][1] if module.val_history else float("nan")
     checkpoint = None
     if interrupted and on_exc is not None and Path(on_exc.ckpt_path).exists():
