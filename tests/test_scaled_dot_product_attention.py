@@ -1347,10 +1347,10 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_CASES])
 def test_cuda_hopper_forward(case, layout, monkeypatch):
-    """On an H100/H200 the plain bf16 forward runs the Gluon kernel (fusedlayers/kernels/_attention_hopper.py), the
-    backward the Triton kernels on its logsumexp: parity of the output and every gradient, for q/k/v laid out as
+    """On an H100/H200 the plain bf16 forward runs the Gluon kernel (kernels/_scaled_dot_product_attention_hopper.py),
+    the backward the Triton kernels on its logsumexp: parity of the output and every gradient, for q/k/v laid out as
     (B, H, T, D) and as models make them, (B, T, H, D) memory seen through a transpose."""
-    from fusedlayers.kernels import _attention_hopper as hopper
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where it takes over
     B, H, H_kv, L, S, D, causal = case
@@ -1365,7 +1365,7 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
 @pytest.mark.cuda
 def test_cuda_hopper_forward_falls_back_where_the_tma_cannot_read(monkeypatch):
     """A tensor whose base is not 16-byte aligned cannot be described to the TMA: the Triton forward runs it."""
-    from fusedlayers.kernels import _attention_hopper as hopper
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
 

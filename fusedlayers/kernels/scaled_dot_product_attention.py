@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlayers.kernels import _attention_hopper as hopper
+from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
