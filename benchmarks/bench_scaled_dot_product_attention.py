@@ -37,13 +37,14 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusedlayers as fl  # noqa: E402
+from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper  # noqa: E402
 from fusedlayers.kernels import scaled_dot_product_attention as K  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
-OURS = ["fl"]
+OURS = ["fl", "fl-triton"]  # fl-triton: the Triton forward everywhere (the Hopper one off), today's kernel
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -112,6 +113,15 @@ def _flex(q, k, v, causal):
 def attention(name):
     if name == "fl":
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+    if name == "fl-triton":
+        def triton_only(q, k, v, c):
+            hopper.enabled = False
+            try:
+                return fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+            finally:
+                hopper.enabled = True
+
+        return triton_only
     if name == "flex":
         return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -271,9 +281,10 @@ def table(best, out_path, quick):
     rows = []
     ratios = {"fwd": [], "fwd+bwd": []}
     cudnn = {"fwd": [], "fwd+bwd": []}
+    vs_triton = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | fl/best peer | "
-          "peak MiB fl / flash |", flush=True)
+    print("\n| D | L | causal | mode | fl | fl Triton | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
+          "fl/best peer | fl/fl Triton | peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
             cfg = best.get((kind, d, causal)) if best else None
@@ -289,20 +300,23 @@ def table(best, out_path, quick):
             ratio_flash = f"{tf['fl'] / tf['flash']:.2f}" if tf["fl"] and tf["flash"] else "n/a"
             ratio_best = f"{tf['fl'] / best_peer:.2f}" if tf["fl"] and best_peer else "n/a"
             ratio_cudnn = f"{tf['fl'] / tf['cudnn']:.2f}" if tf["fl"] and tf["cudnn"] else "n/a"
+            ratio_triton = f"{tf['fl'] / tf['fl-triton']:.2f}" if tf["fl"] and tf["fl-triton"] else "n/a"
             mem = ""
             if mode == "fwd+bwd":
                 mf = f"{res['fl'][2]:.0f}" if res["fl"] else "n/a"
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
             row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | "
-                   f"{fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
-                   f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {mem} |")
+                   f"{fmt(tf['fl-triton'])} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
+                   f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {ratio_triton} | {mem} |")
             rows.append(row)
             print(row, flush=True)
             if tf["fl"] and tf["flash"]:
                 ratios[mode].append((tf["fl"] / tf["flash"], d, length, causal))
             if tf["fl"] and tf["cudnn"]:
                 cudnn[mode].append((tf["fl"] / tf["cudnn"], d, length, causal))
+            if tf["fl"] and tf["fl-triton"]:
+                vs_triton[mode].append((tf["fl"] / tf["fl-triton"], d, length, causal))
             if mode == "fwd+bwd" and length == max(x[2] for x in shapes(quick)) and res["fl"] and res["flash"]:
                 memory.append((res["fl"][2] / res["flash"][2], d, causal))
     header = (
@@ -312,13 +326,14 @@ def table(best, out_path, quick):
         "triton.testing.do_bench median. TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
         "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
         "torch.compile(flex_attention) (causal: a block mask built once per length, outside the timing). "
+        "fl Triton: fl with its Hopper (Gluon) forward switched off, the Triton kernels everywhere. "
         "Peak MiB: memory allocated by one forward+backward beyond the inputs.\n\n"
     )
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | flash | cuDNN | efficient | Flex | "
-             "fl/flash | fl/cuDNN | fl/best peer | peak MiB fl / flash |", "|" + "---|" * 13, *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | fl Triton | flash | cuDNN | efficient | Flex | "
+             "fl/flash | fl/cuDNN | fl/best peer | fl/fl Triton | peak MiB fl / flash |", "|" + "---|" * 15, *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -328,6 +343,9 @@ def table(best, out_path, quick):
         if cudnn[mode]:
             lo, hi = min(cudnn[mode]), max(cudnn[mode])
             summary.append(f"- {mode}: fl/cuDNN {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
+        if vs_triton[mode]:
+            lo, hi = min(vs_triton[mode]), max(vs_triton[mode])
+            summary.append(f"- {mode}: fl/fl Triton {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
     for ratio, d, causal in memory:
         summary.append(f"- peak memory fl/flash at the longest L, D={d} causal={causal}: {ratio:.2f}")
     print("\n".join(summary), flush=True)
