@@ -62,6 +62,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scal
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     B, H, L, D = q.shape
+    if k.shape[2] == 0:  # no keys: the kernel would wait for a first K block that never comes
+        return False
     if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
