@@ -40,7 +40,6 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper module: the Triton kernels run
     gluon = None
 
-LOG2E = 1.4426950408889634
 enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the Triton forward everywhere (A/B timing)
 # (BLOCK_M, BLOCK_N, V ring depth) per (head dim, causal), 4 warps: the fastest of five shapes each on an H100.
 # 64 x 128 tiles with a one-deep V ring keep two programs (115 KB of shared memory each) on an SM at D128;
@@ -97,15 +96,16 @@ def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def attention_forward(q, k, v, is_causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32) for q (B, H, L, D), k/v (B, H_kv, S, D)."""
+def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32) for q (B, H, L, D), k/v (B, H_kv, S, D);
+    ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's ``_exponent_scale``)."""
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n, v_bufs = _CONFIGS[(D, is_causal)]
     grid = (cdiv(L, block_m), B * H)
     _attn_fwd_hopper[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
-        *out.stride(), H, H // k.shape[1], L, S, scale * LOG2E,
+        *out.stride(), H, H // k.shape[1], L, S, qk_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
         num_warps=4,
     )

@@ -910,7 +910,7 @@ def attention_forward(
         return out, lse
     plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     if hopper.enabled and hopper.applies(q, k, v, plain, scale, is_causal):
-        hopper.attention_forward(q, k, v, is_causal, scale, out, lse)
+        hopper.attention_forward(q, k, v, is_causal, _exponent_scale(q.dtype, scale), out, lse)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
