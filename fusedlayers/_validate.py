@@ -21,6 +21,12 @@ def check_float_tensor(name: str, value) -> Tensor:
     return value
 
 
+def check_float_dtype(name: str, value) -> torch.dtype:
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16), got {value!r}")
+    return value
+
+
 def check_dim(name: str, dim, ndim: int) -> int:
     """``dim`` normalised to [0, ndim); a 0-d tensor accepts -1 and 0, as torch does."""
     if isinstance(dim, bool) or not isinstance(dim, int):

@@ -882,7 +882,7 @@ def _check_norm_args(input: Tensor, normalized_shape, weight, bias, residual) ->
 
 
 def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None, *,
-             residual: Tensor | None = None):
+             residual: Tensor | None = None, out_dtype: torch.dtype | None = None):
     """RMSNorm over the last ``len(normalized_shape)`` dims, equal to ``F.rms_norm(input, normalized_shape, weight,
     eps)``: ``input * rsqrt(mean(input**2) + eps) * weight``, computed in fp32 (fp64 for fp64), output in the input's
     dtype (whatever the weight's dtype, as torch). ``eps=None`` is torch's default: the machine epsilon of the compute
@@ -894,8 +894,16 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
     rstd per row, and computes only the gradients asked for. Under CUDA autocast the output is fp32 on torch >= 2.12
     (rms_norm is on its fp32 list), the input's dtype on older torch, as torch's. Complex input (which torch computes
     as a composite of complex ops) is handed to torch's own ``F.rms_norm``.
+
+    ``out_dtype`` (keyword-only, a floating dtype): the normalized output's dtype instead of torch's, autocast's
+    included (h keeps its own). For a norm that feeds only matmuls under autocast, the autocast dtype: the kernel
+    writes what the matmul would have cast to (the same rounding), and no cast kernel runs either way.
     """
+    if out_dtype is not None:
+        v.check_float_dtype("out_dtype", out_dtype)
     if isinstance(input, Tensor) and input.is_complex():  # torch runs a composite of complex ops: no kernel of ours
+        if out_dtype is not None:
+            raise TypeError("out_dtype is not supported for complex input")
         h = input if residual is None else input + residual
         y = torch.nn.functional.rms_norm(h, normalized_shape, weight, eps)
         return (y, h) if residual is not None else y
@@ -905,7 +913,7 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
         eps = torch.finfo(torch.float64 if h_dtype == torch.float64 else torch.float32).eps
     else:
         eps = v.check_number("eps", eps)
-    y, h, _ = call(_rms_norm_ops.rms_norm, input, shape, weight, eps, residual, None)
+    y, h, _ = call(_rms_norm_ops.rms_norm, input, shape, weight, eps, residual, out_dtype)
     return (y, h) if residual is not None else y
 
 
@@ -926,7 +934,7 @@ def _check_layer_norm_dtypes(dtype: torch.dtype, is_cuda: bool, weight, bias) ->
 
 
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
-               eps: float = 1e-5, *, residual: Tensor | None = None):
+               eps: float = 1e-5, *, residual: Tensor | None = None, out_dtype: torch.dtype | None = None):
     """LayerNorm over the last ``len(normalized_shape)`` dims, equal to ``F.layer_norm(input, normalized_shape,
     weight, bias, eps)``: ``(input - mean) * rsqrt(var + eps) * weight + bias`` with the biased variance, computed in
     fp32 (fp64 for fp64), output in the input's dtype. ``weight``/``bias``: the input's dtype, or float32 for
@@ -936,13 +944,15 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     ``(F.layer_norm(h, ...), h)`` with ``h = input + residual`` (torch's dtype promotion); gradients reach input and
     residual. Any shape and strides, empty input; the backward saves the normalized tensor, the weight and the fp32
     mean and rstd per row, and computes only the gradients asked for. Under CUDA autocast the output is fp32, as
-    torch's (the 16-bit input is read as it is, not copied to fp32).
+    torch's (the 16-bit input is read as it is, not copied to fp32). ``out_dtype``: as for ``rms_norm``.
     """
+    if out_dtype is not None:
+        v.check_float_dtype("out_dtype", out_dtype)
     shape = _check_norm_args(input, normalized_shape, weight, bias, residual)
     eps = v.check_number("eps", eps)
     h_dtype = input.dtype if residual is None else torch.promote_types(input.dtype, residual.dtype)
     _check_layer_norm_dtypes(h_dtype, input.is_cuda, weight, bias)
-    y, h, _ = call(_layer_norm_ops.layer_norm, input, shape, weight, bias, eps, residual, None)
+    y, h, _ = call(_layer_norm_ops.layer_norm, input, shape, weight, bias, eps, residual, out_dtype)
     return (y, h) if residual is not None else y
 
 

@@ -118,8 +118,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, pos: nn.Module, docs: Documents | None = None) -> Tensor:
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, C // self.n_head).transpose(1, 2)
-        q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, heads, T, D) views
+        D = C // self.n_head
+        # split the projection's last dim, then view heads: in backward, the gradients of q, k and v ((B, T, heads,
+        # D)-major from the attention and rotary kernels) are concatenated once into the projection's, no copy more
+        q, k, v = self.qkv(x).split((self.n_head * D, self.n_kv_head * D, self.n_kv_head * D), dim=-1)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D) views
         dropout = self.dropout if self.training else 0.0
         if docs is None:
             q, k = pos.rotate(q, k)
@@ -138,9 +141,14 @@ class Block(nn.Module):
         self.ln_2 = NORM.get(cfg.norm)(cfg)
         self.mlp = MLP.get(cfg.mlp)(cfg)
 
-    def forward(self, x: Tensor, pos: nn.Module, docs: Documents | None = None) -> Tensor:
-        h, x = self.ln_2(self.attn(self.ln_1(x), pos, docs), residual=x)  # x += attn(...); h = ln_2(x)
-        return x + self.mlp(h)
+    def forward(self, x: Tensor, residual: Tensor | None, pos: nn.Module, docs: Documents | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """The residual stream arrives in two parts, ``residual + x`` (x: the previous block's MLP output; the first
+        block gets the embeddings as x and no residual), so that each add runs inside the norm that follows it
+        (one kernel with the fused norms). Returns this block's (MLP output, stream before it)."""
+        h, residual = self.ln_1(x, residual) if residual is not None else (self.ln_1(x), x)
+        h, residual = self.ln_2(self.attn(h, pos, docs), residual=residual)  # residual += attn(...)
+        return self.mlp(h), residual
 
 
 class GPT(nn.Module):
@@ -194,10 +202,10 @@ class GPT(nn.Module):
             docs = Documents(cu_seqlens, T)
         elif T > self.config.block_size:
             raise ValueError(f"sequence length {T} is longer than model.block_size={self.config.block_size}")
-        x = self.drop(self.pos.embed(self.wte(idx), None if docs is None else docs.positions))
+        x, residual = self.drop(self.pos.embed(self.wte(idx), None if docs is None else docs.positions)), None
         for block in self.blocks:
-            x = block(x, self.pos, docs)
-        return self.ln_f(x)
+            x, residual = block(x, residual, self.pos, docs)
+        return self.ln_f(x, residual)[0]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, last_only: bool = False,
                 cu_seqlens: Tensor | None = None) -> Tensor:

@@ -11,7 +11,8 @@ from torch.library import opcheck
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
-from tests.test_rms_norm import BACKENDS, SHAPES, check_parity, recorded_backward_calls, strided_param
+from tests.test_rms_norm import (BACKENDS, SHAPES, check_out_dtype, check_parity, recorded_backward_calls,
+                                 strided_param)
 
 
 @pytest.fixture(autouse=True)
@@ -248,6 +249,18 @@ def test_module_is_a_drop_in():
         torch.testing.assert_close(y, stock(x + r))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_dtype_is_the_rounded_output(backend):
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    check_out_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), backend)
+
+
+@pytest.mark.cuda
+def test_cuda_out_dtype():
+    w, b = torch.randn(40, device="cuda", requires_grad=True), torch.randn(40, device="cuda", requires_grad=True)
+    check_out_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), "triton", cuda=True)
+
+
 @pytest.mark.parametrize(
     "call, error, name",
     [
@@ -263,6 +276,7 @@ def test_module_is_a_drop_in():
         (lambda: fl.layer_norm(torch.randn(2, 3).bfloat16(), 3, torch.randn(3).half()), TypeError, "weight"),
         (lambda: fl.layer_norm(torch.randn(2, 3), 3, eps=None), TypeError, "eps"),
         (lambda: fl.layer_norm(torch.randn(2, 3), 3, residual=torch.randn(2, 4)), ValueError, "residual"),
+        (lambda: fl.layer_norm(torch.randn(2, 3), 3, out_dtype=torch.int64), TypeError, "out_dtype"),
     ],
 )
 def test_bad_input_names_the_argument(call, error, name):

@@ -5,14 +5,17 @@ stays causal."""
 from __future__ import annotations
 
 import math
+import unittest.mock
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.callbacks import peak_flops
 from models.data import CharTokenizer, RandomWindows, SequentialWindows
 from models.gpt import GPT, GPTConfig
+from models import layers
 from models.layers import ATTENTION, CHECKPOINT, LOSS, REGISTRIES, SOFTMAX
 from models.lit import lr_lambda
 
@@ -245,6 +248,75 @@ def test_llama_shape() -> None:
         GPTConfig(**{**LLAMA, "n_kv_head": 3})
     with pytest.raises(ValueError, match="model.mlp_hidden must be a positive int or null"):
         GPTConfig(**{**LLAMA, "mlp_hidden": 0})
+
+
+LLAMA_FUSED = dict(LLAMA, attention="custom", loss="fused_linear", norm="fused_rmsnorm", mlp="fused_swiglu",
+                   position="fused_rotary")
+
+
+class _TopLevelOps(TorchDispatchMode):
+    """Records the aten/custom ops a forward+backward dispatches (an op's own insides are not seen): (name, output
+    shape, output dtype) of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, torch.Tensor):
+            self.ops.append((str(func.overloadpacket), tuple(first.shape), first.dtype))
+        return out
+
+
+@pytest.mark.parametrize("norm", ["fused_rmsnorm", "fused_layernorm"])
+def test_fused_model_moves_no_activation_but_the_qkv_gradient(norm: str) -> None:
+    """The all-fused Llama-shaped step under (CPU) autocast runs no layout glue on the activations: no cast (the fused
+    norms write the autocast dtype the matmuls read), no residual add outside the norms, no copy; its backward
+    concatenates q, k and v's gradients into the projection's once per block, and sums the two gradients of the
+    MLP's input (gate and up) and of the embeddings (the first block's norm input and residual)."""
+    cfg = GPTConfig(**{**LLAMA_FUSED, "norm": norm, "bias": norm == "fused_layernorm"})
+    model, (idx, targets) = GPT(cfg), _batch()
+    acts = {(3, 16, 32), (3, 16, 64), (3, 16, 128)}  # the residual stream, the qkv projection, the MLP's hidden
+    with _TopLevelOps() as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, targets)
+        forward = list(rec.ops)
+        loss.backward()
+    backward = rec.ops[len(forward):]
+    glue = ("aten._to_copy", "aten.copy_", "aten.clone", "aten.add", "aten.add_", "aten.cat")
+    assert [op for op in forward if op[0] in glue and op[1] in acts] == []
+    norm_out = [op[2] for op in forward if op[0].startswith("fusedlayers.") and op[0].endswith("_norm")]
+    assert norm_out == [torch.bfloat16] * (2 * cfg.n_layer + 1)
+    moved = [op for op in backward if op[0] in glue and op[1] in acts]
+    assert sorted(op[:2] for op in moved if op[0] != "aten._to_copy") == sorted(
+        [("aten.cat", (3, 16, 64))] * cfg.n_layer + [("aten.add", (3, 16, 32))] * (cfg.n_layer + 1))
+
+
+def test_fused_norm_autocast_output_is_what_the_matmul_reads() -> None:
+    """Writing the norms' output in the autocast dtype changes nothing the matmuls see: the loss is bitwise that of the
+    same model whose norms write fp32 (cast by F.linear), the gradients equal but for the order in which the MLP
+    input's two gradients are summed (bf16 now, fp32 before). (The stock loss: the fused one computes bf16 matmuls in
+    fp32 on a CPU, where it reads fp32 input unrounded.)"""
+    torch.manual_seed(0)
+    model, (idx, targets) = GPT(GPTConfig(**{**LLAMA_FUSED, "loss": "stock"})), _batch()
+
+    def loss_and_grads():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, targets)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    with unittest.mock.patch.object(layers, "matmul_dtype", lambda x: None):
+        loss_fp32, grads_fp32 = loss_and_grads()
+    assert torch.equal(loss, loss_fp32)
+    # the one difference, a bf16 rounding (2**-8 relative) of a gradient sum, reaches every earlier gradient linearly:
+    # each within a few such roundings of its tensor's largest element
+    for g, g32 in zip(grads, grads_fp32, strict=True):
+        torch.testing.assert_close(g, g32, rtol=0, atol=4 * 2**-8 * g32.abs().max().item())
 
 
 @pytest.mark.parametrize("attention", ATTENTION.names())

@@ -226,6 +226,32 @@ def test_weight_and_residual_dtypes(backend):
             assert y.dtype == (x_dtype if r is None else torch.promote_types(x_dtype, r_dtype))
 
 
+def check_out_dtype(norm, backend: str, cuda: bool = False) -> None:
+    """``norm(x, residual=r, out_dtype=...)`` (norm: a function of x and keywords) is ``norm(x, residual=r)`` rounded
+    to out_dtype, bitwise, and its gradients are those of that rounding (the same kernels read the same values); h keeps
+    its dtype. (Shared with tests/test_layer_norm.py.)"""
+    dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if backend == "reference" or cuda else [])
+    device = "cuda" if cuda else "cpu"
+    with fl.use_backend(backend):
+        for out_dtype in dtypes:
+            x = torch.randn(5, 40, device=device, requires_grad=True)
+            r = torch.randn(5, 40, device=device, dtype=torch.float16 if cuda else torch.float32, requires_grad=True)
+            gy, gh = torch.randn(5, 40, device=device).to(out_dtype), torch.randn(5, 40, device=device)
+            y, h = norm(x, residual=r, out_dtype=out_dtype)
+            assert y.dtype == out_dtype and h.dtype == torch.float32
+            dx, dr = torch.autograd.grad((y, h), (x, r), (gy, gh))
+            y2, h2 = norm(x, residual=r)
+            dx2, dr2 = torch.autograd.grad((y2.to(out_dtype), h2), (x, r), (gy, gh))
+            for got, want in ((y, y2.to(out_dtype)), (h, h2), (dx, dx2), (dr, dr2)):
+                assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_dtype_is_the_rounded_output(backend):
+    w = torch.randn(40, requires_grad=True)
+    check_out_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_eps_is_torchs(backend):
     """eps=None: the machine epsilon of fp32 for fp16/bf16/fp32 input (torch's compute dtype), fp64's for fp64; here
@@ -423,6 +449,8 @@ def test_module_is_a_drop_in():
         (lambda: fl.rms_norm(torch.randn(2, 3), 3, residual=torch.ones(2, 3, dtype=torch.int32)), TypeError,
          "residual"),
         (lambda: fl.rms_norm(torch.randn(2, 3), 3, torch.randn(3, device="meta")), ValueError, "weight"),
+        (lambda: fl.rms_norm(torch.randn(2, 3), 3, out_dtype=torch.int32), TypeError, "out_dtype"),
+        (lambda: fl.rms_norm(torch.randn(2, 3), 3, out_dtype="bfloat16"), TypeError, "out_dtype"),
     ],
 )
 def test_bad_input_names_the_argument(call, error, name):
@@ -455,6 +483,12 @@ def test_cuda_many_rows(n_cols):
     x, w, r = (t.cuda().detach().requires_grad_() for t in _inputs((3000, n_cols), (n_cols,), torch.bfloat16,
                                                                     True, True))
     _check_rms(x, (n_cols,), w, r)
+
+
+@pytest.mark.cuda
+def test_cuda_out_dtype():
+    w = torch.randn(40, device="cuda", requires_grad=True)
+    check_out_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), "triton", cuda=True)
 
 
 @pytest.mark.cuda
