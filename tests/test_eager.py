@@ -212,3 +212,25 @@ def test_launch_hooks_send_launches_through_triton():
 
 def _fail(*args, **kwargs):
     raise AssertionError("Triton's launcher ran")
+
+
+def test_inductor_fallbacks_registered_up_front():
+    """Every op has inductor's fallback lowering before a graph meets it (at import on torch < 2.13, where inductor's
+    own first-meeting path printed each argument's whole IR history: exponential in a deep model's depth), the layout
+    constraint inductor would give it, and a compiled chain of ops still gives the eager result."""
+    from torch._inductor.lowering import lowerings, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    _eager.register_inductor_fallbacks()
+    assert all(op._opoverload in lowerings for op in _eager._BODIES)
+    tag = get_layout_constraint_tag(torch.ops.fusedlayers.rms_norm.default, with_default=True)
+    assert tag_to_layout_constraint(tag) is not None  # custom ops keep eager strides (needs_fixed_stride_order)
+
+    def chain(x, r):
+        for _ in range(6):  # each norm's residual output feeds the next, as in a model's residual stream
+            x, r = fl.rms_norm(x, 8, residual=r)
+        return x + r
+
+    x, r = torch.randn(4, 8), torch.randn(4, 8)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(chain, fullgraph=True)(x, r), chain(x, r))

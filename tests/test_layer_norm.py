@@ -11,8 +11,7 @@ from torch.library import opcheck
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
-from tests.test_rms_norm import (BACKENDS, SHAPES, check_out_dtype, check_parity, recorded_backward_calls,
-                                 strided_param)
+from tests.test_rms_norm import BACKENDS, SHAPES, check_out_dtype, check_parity, recorded_backward_calls, strided_param
 
 
 @pytest.fixture(autouse=True)

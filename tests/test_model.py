@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models import layers
 from models.callbacks import peak_flops
 from models.data import CharTokenizer, RandomWindows, SequentialWindows
 from models.gpt import GPT, GPTConfig
-from models import layers
 from models.layers import ATTENTION, CHECKPOINT, LOSS, REGISTRIES, SOFTMAX
 from models.lit import lr_lambda
 

@@ -84,3 +84,22 @@ class _EagerOp(torch.autograd.Function):
     def backward(ctx, *grads):
         grads_in = ctx.op_backward(ctx, *grads)
         return (*(grads_in if isinstance(grads_in, tuple) else (grads_in,)), None)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def register_inductor_fallbacks() -> None:
+    """Registers each op with inductor as the fallback (a call to the op) that inductor makes of it when it first meets
+    it in a graph. On that first meeting torch < 2.13 formats an info-level log line eagerly, printing each argument's
+    IR with its whole history; behind a deep model's last op (the LM-head loss after 12 blocks whose norms and residual
+    stream are all our ops) that string grows exponentially with depth: compiling llama-small on torch 2.11 did not
+    finish in 7 minutes (torch 2.13 formats it lazily). Registered beforehand, the same fallbacks skip that path."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in _BODIES:
+        overload = op._opoverload
+        if overload not in lowerings:
+            tag = get_layout_constraint_tag(overload, with_default=True)
+            make_fallback(overload, layout_constraint=tag_to_layout_constraint(tag))
