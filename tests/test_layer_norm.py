@@ -11,7 +11,15 @@ from torch.library import opcheck
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
-from tests.test_rms_norm import BACKENDS, SHAPES, check_out_dtype, check_parity, recorded_backward_calls, strided_param
+from tests.test_rms_norm import (
+    BACKENDS,
+    SHAPES,
+    check_input_gradient_in_its_dtype,
+    check_out_dtype,
+    check_parity,
+    recorded_backward_calls,
+    strided_param,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -190,6 +198,8 @@ def test_opcheck(backend):
         (ops.layer_norm_backward.default, (g, h, [17], wd, stats, None, torch.float32, None, False, True, False)),
         (ops.layer_norm_backward.default, (g, h, [17], None, stats, None, torch.float16, torch.float32, True, False,
                                            True)),
+        (ops.layer_norm_backward.default, (g, h, [17], wd, stats, g, torch.float32, torch.float32, True, True, True,
+                                           torch.bfloat16)),
     ]
     with fl.use_backend(backend):
         for op, args in samples:
@@ -249,6 +259,12 @@ def test_module_is_a_drop_in():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_input_gradient_in_its_dtype(backend):
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    check_input_gradient_in_its_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_out_dtype_is_the_rounded_output(backend):
     w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
     check_out_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), backend)
@@ -258,6 +274,7 @@ def test_out_dtype_is_the_rounded_output(backend):
 def test_cuda_out_dtype():
     w, b = torch.randn(40, device="cuda", requires_grad=True), torch.randn(40, device="cuda", requires_grad=True)
     check_out_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), "triton", cuda=True)
+    check_input_gradient_in_its_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), "triton", "cuda")
 
 
 @pytest.mark.parametrize(

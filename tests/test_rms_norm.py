@@ -246,6 +246,25 @@ def check_out_dtype(norm, backend: str, cuda: bool = False) -> None:
                 assert torch.equal(got, want)
 
 
+def check_input_gradient_in_its_dtype(norm, backend: str, device: str = "cpu") -> None:
+    """A 16-bit input added to an fp32 residual: the backward writes the input's gradient in its dtype from the same
+    kernel as the residual's, bitwise the residual's gradient rounded. (Shared with tests/test_layer_norm.py.)"""
+    bf16 = backend == "reference" or device == "cuda"  # the interpreter mishandles some bf16 arithmetic
+    with fl.use_backend(backend):
+        for dtype in (torch.float16, torch.bfloat16) if bf16 else (torch.float16,):
+            x = torch.randn(6, 40, dtype=dtype, device=device, requires_grad=True)
+            r = torch.randn(6, 40, device=device, requires_grad=True)
+            y, h = norm(x, residual=r)
+            dx, dr = torch.autograd.grad((y, h), (x, r), (torch.randn_like(y), torch.randn_like(h)))
+            assert dx.dtype == dtype and dr.dtype == torch.float32 and torch.equal(dx, dr.to(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_gradient_in_its_dtype(backend):
+    w = torch.randn(40, requires_grad=True)
+    check_input_gradient_in_its_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_dtype_is_the_rounded_output(backend):
     w = torch.randn(40, requires_grad=True)
@@ -344,6 +363,7 @@ def test_opcheck(backend):
         (ops.rms_norm_backward.default, (g, h, [17], wd, rstd, g, torch.float32, True, True)),
         (ops.rms_norm_backward.default, (g, h, [17], wd, rstd, None, torch.float32, False, True)),
         (ops.rms_norm_backward.default, (g, h, [17], None, rstd, None, torch.float16, True, False)),
+        (ops.rms_norm_backward.default, (g, h, [17], wd, rstd, g, torch.float32, True, True, torch.float16)),
     ]
     with fl.use_backend(backend):
         for op, args in samples:
@@ -489,6 +509,7 @@ def test_cuda_many_rows(n_cols):
 def test_cuda_out_dtype():
     w = torch.randn(40, device="cuda", requires_grad=True)
     check_out_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), "triton", cuda=True)
+    check_input_gradient_in_its_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), "triton", "cuda")
 
 
 @pytest.mark.cuda

@@ -453,8 +453,8 @@ def _layer_norm_backward_meta(grad, a, normalized_shape, weight, bias, stats):
 
 def _layer_norm_backward_impl(grad, a, normalized_shape, weight, bias, stats):
     need_dw, need_db = weight is not None, bias is not None
-    dx, dw, db = call(_layer_norm_ops.layer_norm_backward, grad, a, normalized_shape, weight, stats, None, a.dtype,
-                      bias.dtype if need_db else None, True, need_dw, need_db)
+    dx, dw, db, _ = call(_layer_norm_ops.layer_norm_backward, grad, a, normalized_shape, weight, stats, None, a.dtype,
+                         bias.dtype if need_db else None, True, need_dw, need_db)
     return dx, _grad_or_none(dw, need_dw), _grad_or_none(db, need_db)
 
 
@@ -515,8 +515,8 @@ def _rms_norm_backward_meta(grad, a, normalized_shape, weight, rstd):
 
 def _rms_norm_backward_impl(grad, a, normalized_shape, weight, rstd):
     need_dw = weight is not None
-    dx, dw = call(_rms_norm_ops.rms_norm_backward, grad, a, normalized_shape, weight, rstd, None, a.dtype, True,
-                  need_dw)
+    dx, dw, _ = call(_rms_norm_ops.rms_norm_backward, grad, a, normalized_shape, weight, rstd, None, a.dtype, True,
+                     need_dw)
     return dx, _grad_or_none(dw, need_dw)
 
 

@@ -210,10 +210,10 @@ def _norm_fwd_looped_kernel(
 
 @triton.jit
 def _norm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, stats_ptr, gres_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
+    dy_ptr, x_ptr, w_ptr, stats_ptr, gres_ptr, sums_ptr, dx_ptr, dxi_ptr, dw_ptr, db_ptr,
     n_rows, n_cols, rows_per_program,
     stride_dyr, stride_dyc, stride_xr, stride_xc, stride_gr, stride_gc,
-    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_GRES: tl.constexpr, NEED_DX: tl.constexpr,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_GRES: tl.constexpr, NEED_DX: tl.constexpr, HAS_DXI: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, PRECOMPUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -267,8 +267,11 @@ def _norm_bwd_kernel(
                 dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
             if HAS_GRES:
                 dx += _tile(gres_ptr, rows, cols, stride_gr, stride_gc, inside)
-            tl.store(dx_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+            offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty),
                      mask=inside, cache_modifier=".cs")  # streaming, as the softmax backward (measured there)
+            if HAS_DXI:  # the same gradient in the input's dtype too (the residual's is dx)
+                tl.store(dxi_ptr + offsets, dx.to(dxi_ptr.dtype.element_ty), mask=inside, cache_modifier=".cs")
         if NEED_DW:
             dw_acc += dy * xhat
         if NEED_DB:
@@ -404,8 +407,9 @@ def forward_plan(n_cols: int, element_size: int, device: torch.device, rms: bool
 
 @functools.cache
 def backward_plan(n_cols: int, element_size: int, device: torch.device, rms: bool, has_w: bool, has_gres: bool,
-                  need_dx: bool, need_dw: bool, need_db: bool) -> BackwardPlan:
-    flags = dict(RMS=rms, HAS_W=has_w, HAS_GRES=has_gres, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db)
+                  need_dx: bool, need_dw: bool, need_db: bool, has_dxi: bool = False) -> BackwardPlan:
+    flags = dict(RMS=rms, HAS_W=has_w, HAS_GRES=has_gres, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+                 HAS_DXI=has_dxi)
     if n_cols > MAX_ONE_PASS_COLS:
         block_n = _loop_block(n_cols, element_size)
         warps = _warps(block_n, 8, 32)
@@ -483,17 +487,20 @@ def norm_forward(x: torch.Tensor, n_cols: int, weight: torch.Tensor | None, bias
 
 def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torch.Tensor | None,
                   stats: torch.Tensor, grad_residual: torch.Tensor | None, dx_dtype: torch.dtype,
-                  need_dx: bool, need_dw: bool, need_db: bool, rms: bool, bias_dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dw, db), None where not needed: dx (x's shape, ``dx_dtype``) = the input gradient (+ ``grad_residual``),
-    dw and db as flat n_cols tensors in the weight's dtype and ``bias_dtype``. ``x`` is what the forward normalized
-    (the input, or h with a residual), with the forward's ``stats``."""
+                  need_dx: bool, need_dw: bool, need_db: bool, rms: bool, bias_dtype: torch.dtype | None = None,
+                  input_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dxi, dw, db), None where not needed: dx (x's shape, ``dx_dtype``) = the input gradient (+
+    ``grad_residual``), dxi the same values in ``input_dtype`` (written by the same kernel; None without it), dw and db
+    as flat n_cols tensors in the weight's dtype and ``bias_dtype``. ``x`` is what the forward normalized (the input,
+    or h with a residual), with the forward's ``stats``."""
     dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
+    dxi = torch.empty(x.shape, dtype=input_dtype, device=x.device) if need_dx and input_dtype is not None else None
     dw = torch.empty(n_cols, dtype=weight.dtype, device=x.device) if need_dw else None
     db = torch.empty(n_cols, dtype=bias_dtype, device=x.device) if need_db else None
     n_rows = x.numel() // n_cols if n_cols else 0
     if n_rows == 0 or n_cols == 0:
-        return dx, None if dw is None else dw.zero_(), None if db is None else db.zero_()
+        return dx, dxi, None if dw is None else dw.zero_(), None if db is None else db.zero_()
     x2, _, stride_xr, stride_xc = rows_view(x, n_cols)
     g2, _, stride_dyr, stride_dyc = rows_view(grad, n_cols)
     if grad_residual is not None:
@@ -502,7 +509,7 @@ def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torc
         gr2, stride_gr, stride_gc = g2, 0, 0
     w = _flat(weight)
     plan = backward_plan(n_cols, max(x.element_size(), grad.element_size()), x.device, rms, w is not None,
-                         grad_residual is not None, need_dx, need_dw, need_db)
+                         grad_residual is not None, need_dx, need_dw, need_db, dxi is not None)
     programs, rows_per_program = _backward_grid(n_rows, plan.block_m, plan.max_programs, need_dw or need_db)
     n_out = int(need_dw) + int(need_db)
     parts = torch.empty((max(n_out, 1), programs, n_cols) if n_out else (1,), dtype=torch.float32, device=x.device)
@@ -515,7 +522,7 @@ def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torc
     db_parts = parts[1] if need_dw and need_db else parts
     dw_parts = parts
     launch(_norm_bwd_kernel, (programs, plan.col_chunks), g2, x2, w if w is not None else x2, stats,
-           gr2, sums, dx if dx is not None else x2, dw_parts, db_parts,
+           gr2, sums, dx if dx is not None else x2, dxi if dxi is not None else x2, dw_parts, db_parts,
            n_rows, n_cols, rows_per_program, stride_dyr, stride_dyc, stride_xr, stride_xc, stride_gr, stride_gc,
            **plan.meta)
     if n_out:
@@ -523,4 +530,4 @@ def norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torc
         out1 = db if (need_dw and need_db) else out0
         launch(_sum_partials_kernel, (cdiv(n_cols, SUM_BLOCK_C), n_out), parts, out0, out1, programs, n_cols,
                BLOCK_P=SUM_BLOCK_P, BLOCK_C=SUM_BLOCK_C, num_warps=4)
-    return dx, dw, db
+    return dx, dxi, dw, db

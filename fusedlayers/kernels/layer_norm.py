@@ -18,10 +18,10 @@ def layer_norm_forward(x: torch.Tensor, n_cols: int, weight: torch.Tensor | None
 
 def layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torch.Tensor | None,
                         stats: torch.Tensor, grad_residual: torch.Tensor | None, dx_dtype: torch.dtype,
-                        bias_dtype: torch.dtype | None, need_dx: bool, need_dw: bool, need_db: bool
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dw, db) of the forward that normalized ``x`` (None where not needed); dx includes ``grad_residual``; dw
-    in the weight's dtype, db in ``bias_dtype``."""
-    dx, dw, db = _norm.norm_backward(grad, x, n_cols, weight, stats, grad_residual, dx_dtype, need_dx, need_dw,
-                                     need_db, rms=False, bias_dtype=bias_dtype)
-    return dx, dw, db
+                        bias_dtype: torch.dtype | None, need_dx: bool, need_dw: bool, need_db: bool,
+                        input_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dxi, dw, db) of the forward that normalized ``x`` (None where not needed); dx includes
+    ``grad_residual``, dxi is dx in ``input_dtype``; dw in the weight's dtype, db in ``bias_dtype``."""
+    return _norm.norm_backward(grad, x, n_cols, weight, stats, grad_residual, dx_dtype, need_dx, need_dw, need_db,
+                               rms=False, bias_dtype=bias_dtype, input_dtype=input_dtype)

@@ -17,8 +17,10 @@ def rms_norm_forward(x: torch.Tensor, n_cols: int, weight: torch.Tensor | None, 
 
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, n_cols: int, weight: torch.Tensor | None,
                       rstd: torch.Tensor, grad_residual: torch.Tensor | None, dx_dtype: torch.dtype, need_dx: bool,
-                      need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dw) of the forward that normalized ``x`` (None where not needed); dx includes ``grad_residual``."""
-    dx, dw, _ = _norm.norm_backward(grad, x, n_cols, weight, rstd, grad_residual, dx_dtype, need_dx, need_dw, False,
-                                    rms=True)
-    return dx, dw
+                      need_dw: bool, input_dtype: torch.dtype | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dxi, dw) of the forward that normalized ``x`` (None where not needed); dx includes ``grad_residual``, dxi
+    is dx in ``input_dtype``."""
+    dx, dxi, dw, _ = _norm.norm_backward(grad, x, n_cols, weight, rstd, grad_residual, dx_dtype, need_dx, need_dw,
+                                         False, rms=True, input_dtype=input_dtype)
+    return dx, dxi, dw

@@ -154,9 +154,23 @@ def grad_plan(ctx, input_index: int, residual_index: int) -> tuple[bool, bool, t
     return need_input, need_residual, dtype
 
 
-def split_dh(dh: Tensor | None, ctx, need_input: bool, need_residual: bool) -> tuple[Tensor | None, Tensor | None]:
-    """dh (the gradient of h = input + residual) as the input's and the residual's gradients."""
-    grad_input = _as(dh, ctx.input_dtype) if need_input else None
+def second_dx_dtype(ctx, need_input: bool, need_residual: bool, dx_dtype: torch.dtype) -> torch.dtype | None:
+    """The input's dtype where both gradients are needed and dh comes in the residual's (promoted) dtype: the backward
+    op then writes dh in the input's dtype too (e.g. the bf16 output of a matmul added to an fp32 residual stream)."""
+    if need_input and need_residual and ctx.input_dtype != dx_dtype and ctx.residual_dtype == dx_dtype:
+        return ctx.input_dtype
+    return None
+
+
+def empty_second_dx(x: Tensor, need_dx: bool, input_dtype: torch.dtype | None) -> Tensor:
+    return x.new_empty(x.shape, dtype=input_dtype) if need_dx and input_dtype is not None else x.new_empty((0,))
+
+
+def split_dh(dh: Tensor | None, ctx, need_input: bool, need_residual: bool, dh_input: Tensor | None = None
+             ) -> tuple[Tensor | None, Tensor | None]:
+    """dh (the gradient of h = input + residual) as the input's and the residual's gradients; ``dh_input``: dh already
+    in the input's dtype."""
+    grad_input = (dh_input if dh_input is not None else _as(dh, ctx.input_dtype)) if need_input else None
     grad_residual = _as(dh, ctx.residual_dtype) if need_residual else None
     return grad_input, grad_residual
 
