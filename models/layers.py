@@ -21,7 +21,8 @@ Interfaces (all tensors (B, H, T, D) for attention):
   (B, H_kv, T, D)); ``positions`` (T,): each token's position when not 0..T-1 (packed documents).
 - ``NORM[name](config) -> nn.Module`` with parameters ``weight`` (and ``bias`` for LayerNorm with
   ``model.bias``) and ``forward(x, residual=None)``; with a residual it returns ``(norm(x + residual),
-  x + residual)``: the pre-norm block's residual add, one kernel in the fused choices.
+  x + residual)``: the pre-norm block's residual add, one kernel in the fused choices (which under autocast also
+  write the normalized output in the autocast dtype the next matmul reads).
 - ``MLP[name](config) -> nn.Module``: the block's feed-forward (B, T, C) -> (B, T, C).
 
 Fused choices are named ``fused_<stock twin>`` where the stock twin is not ``stock`` (norm, mlp, position): the
