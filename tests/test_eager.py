@@ -28,8 +28,13 @@ class _PassThrough(TorchDispatchMode):
 def test_plain_eager_takes_the_fast_path_and_modes_take_the_op():
     x = torch.randn(3, 5, requires_grad=True)
     assert _node(fl.softmax(x)) == "_EagerOpBackward"
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the op's autocast rule must apply
-        assert _node(fl.softmax(x)) != "_EagerOpBackward"
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # attention's CPU autocast rule (cast to bf16) must apply: the dispatcher; softmax has a CUDA rule only, so
+        # CPU autocast falls through to it and the fast path runs it
+        y = fl.scaled_dot_product_attention(q, q, q)
+        assert _node(y) != "_EagerOpBackward" and y.dtype == torch.bfloat16
+        assert _node(fl.softmax(x)) == "_EagerOpBackward"
     with _PassThrough():  # e.g. FakeTensorMode, selective checkpointing, FlopCounterMode
         assert _node(fl.softmax(x)) != "_EagerOpBackward"
     with torch.device("cpu"):  # a function mode
@@ -102,11 +107,19 @@ CASES.update({  # the norms, plain and with the fused residual add (both outputs
 })
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", CASES)
-def test_fast_path_equals_the_registered_op_bitwise(name, device):
+def test_fast_path_equals_the_registered_op_bitwise(name, device, autocast):
+    """With and without autocast (bf16): under it the ops without a rule for the device take the fast path."""
     fn, inputs = CASES[name]
     inputs = tuple(t.to(device).requires_grad_() if t.is_floating_point() else t.to(device) for t in inputs)
+    if autocast:
+        inner = fn
+
+        def fn(*args):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                return inner(*args)
     fast, dispatched = _both_paths(fn, *inputs)
     assert len(fast) == len(dispatched) > 1
     for a, b in zip(fast, dispatched, strict=True):

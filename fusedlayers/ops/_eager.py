@@ -10,8 +10,8 @@ In plain eager code the dispatcher only routes the call to the op's body, so :fu
 itself, under :class:`_EagerOp`, an autograd.Function that uses the op's registered setup_context and
 backward (the same code the registered autograd runs). Wherever something could tell the difference it
 calls the registered op instead: torch.compile tracing, a dispatch mode (FakeTensorMode, the selective
-checkpoint policy, FlopCounterMode, opcheck), a function mode (``torch.device``), autocast (the ops
-register their own autocast rules), functorch transforms, tensor subclasses.
+checkpoint policy, FlopCounterMode, opcheck), a function mode (``torch.device``), autocast where the op
+registered an autocast rule for an autocast-enabled device, functorch transforms, tensor subclasses.
 """
 
 from __future__ import annotations
@@ -44,14 +44,34 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     _AUTOGRAD[op] = (backward, setup_context)
 
 
-def _modes_active() -> bool:
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_autocast_rules: dict = {}  # op -> the devices (of _AUTOCAST_KEYS) for which it registered an autocast rule
+
+
+def _autocast_rule_applies(op) -> bool:
+    """Whether autocast, which is on, has a rule of the op's own to apply (ops/<op>.py registers it). Without one,
+    autocast falls through to the op, whose body then runs as the fast path runs it (autocast still on for the
+    aten ops inside it): the training step under autocast keeps the fast path for most of its ops."""
+    on = [device for device in _AUTOCAST_KEYS if torch.is_autocast_enabled(device)]
+    if not on:  # another device's autocast: no shortcut
+        return True
+    rules = _autocast_rules.get(op)
+    if rules is None:
+        name = op._opoverload._schema.name
+        rules = _autocast_rules[op] = {device for device, key in _AUTOCAST_KEYS.items()
+                                       if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)}
+    return any(device in rules for device in on)
+
+
+def _modes_active(op) -> bool:
     return bool(torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active())
+                or torch._C._are_functorch_transforms_active()
+                or (torch._C._is_any_autocast_enabled() and _autocast_rule_applies(op)))
 
 
 def call(op, *args):
     """``op(*args)`` (all arguments positional), skipping the dispatcher where nothing can tell."""
-    if not enabled or torch.compiler.is_compiling() or _modes_active():
+    if not enabled or torch.compiler.is_compiling() or _modes_active(op):
         return op(*args)
     needs_grad = False
     for a in args:  # one pass: every call of every op runs this
