@@ -406,21 +406,23 @@ class FakeQuantLinear(nn.Linear):
 class RMSNorm(nn.RMSNorm):
     """Drop-in for ``nn.RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None)`` (a
     subclass: same arguments, parameter ``weight``, init and state_dict), running ``fl.rms_norm``.
-    ``forward(input, residual=None)``: with a residual, returns ``(norm(input + residual), input + residual)`` from
-    one kernel (the pre-norm block's residual stream)."""
+    ``forward(input, residual=None, *, out_dtype=None)``: with a residual, returns ``(norm(input + residual), input +
+    residual)`` from one kernel (the pre-norm block's residual stream); ``out_dtype`` as ``fl.rms_norm``'s."""
 
-    def forward(self, input: Tensor, residual: Tensor | None = None):
-        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
+    def forward(self, input: Tensor, residual: Tensor | None = None, *, out_dtype: torch.dtype | None = None):
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual, out_dtype=out_dtype)
 
 
 class LayerNorm(nn.LayerNorm):
     """Drop-in for ``nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
     dtype=None)`` (a subclass: same arguments, parameters ``weight`` and ``bias``, init and state_dict), running
-    ``fl.layer_norm``. ``forward(input, residual=None)``: with a residual, returns ``(norm(input + residual),
-    input + residual)`` from one kernel (the pre-norm block's residual stream)."""
+    ``fl.layer_norm``. ``forward(input, residual=None, *, out_dtype=None)``: with a residual, returns ``(norm(input +
+    residual), input + residual)`` from one kernel (the pre-norm block's residual stream); ``out_dtype`` as
+    ``fl.layer_norm``'s."""
 
-    def forward(self, input: Tensor, residual: Tensor | None = None):
-        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+    def forward(self, input: Tensor, residual: Tensor | None = None, *, out_dtype: torch.dtype | None = None):
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual,
+                            out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- SwiGLU MLP

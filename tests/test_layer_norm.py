@@ -268,6 +268,8 @@ def test_input_gradient_in_its_dtype(backend):
 def test_out_dtype_is_the_rounded_output(backend):
     w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
     check_out_dtype(lambda x, **kw: fl.layer_norm(x, 40, w, b, **kw), backend)
+    module = fl.LayerNorm(40)
+    check_out_dtype(lambda x, **kw: module(x, kw.pop("residual"), **kw), backend)
 
 
 @pytest.mark.cuda

@@ -269,6 +269,8 @@ def test_input_gradient_in_its_dtype(backend):
 def test_out_dtype_is_the_rounded_output(backend):
     w = torch.randn(40, requires_grad=True)
     check_out_dtype(lambda x, **kw: fl.rms_norm(x, 40, w, 1e-5, **kw), backend)
+    module = fl.RMSNorm(40, eps=1e-5)
+    check_out_dtype(lambda x, **kw: module(x, kw.pop("residual"), **kw), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
