@@ -6,7 +6,7 @@ Importing the package registers the ops in the ``torch.ops.fusedlayers`` namespa
 import torch
 
 from fusedlayers import qat
-from fusedlayers.backend import current_backend, use_backend
+from fusedlayers.backend import current_backend, use_backend, use_deterministic_attention
 from fusedlayers.functional import *  # noqa: F403
 from fusedlayers.functional import __all__ as _functional_all
 from fusedlayers.modules import *  # noqa: F403
@@ -17,4 +17,4 @@ if torch.__version__ < "2.13":  # see register_inductor_fallbacks: costs importi
     register_inductor_fallbacks()
 
 __version__ = "0.1.0"
-__all__ = ["qat", "use_backend", "current_backend", *_functional_all, *_modules_all]
+__all__ = ["qat", "use_backend", "current_backend", "use_deterministic_attention", *_functional_all, *_modules_all]

@@ -7,6 +7,10 @@
 
 Choose with ``fl.use_backend(name)`` (a context manager, thread-local) or the environment variable
 ``FUSEDLAYERS_BACKEND``.
+
+Attention's backward is deterministic by default (bitwise the same gradients every run).
+``fl.use_deterministic_attention(False)`` (or ``FUSEDLAYERS_DETERMINISTIC_ATTENTION=0``) lets the Triton backward
+add dQ with atomics where that is faster; ``torch.use_deterministic_algorithms(True)`` keeps it deterministic.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class _State(threading.local):
 
 
 _state = _State()
+# Process-wide, not per thread (as torch.use_deterministic_algorithms): the backward of CUDA tensors runs on
+# autograd's own device threads, which would not see a thread-local setting made where the forward ran.
+_deterministic_attention: bool | None = None  # the innermost use_deterministic_attention's
 
 
 def _check_name(name: str) -> str:
@@ -55,6 +62,35 @@ def use_backend(name: str):
         yield
     finally:
         _state.name = previous
+
+
+@contextlib.contextmanager
+def use_deterministic_attention(enabled: bool):
+    """Inside the ``with`` block (process-wide, as ``torch.use_deterministic_algorithms``), attention's backward is
+    deterministic (``True``, the default outside any block) or may add dQ with atomics where that is faster
+    (``False``: dQ's last bits then vary from run to run). A backward run after the block ends is deterministic."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"use_deterministic_attention: enabled must be a bool, got {type(enabled).__name__}")
+    global _deterministic_attention
+    previous = _deterministic_attention
+    _deterministic_attention = enabled
+    try:
+        yield
+    finally:
+        _deterministic_attention = previous
+
+
+def deterministic_attention() -> bool:
+    """Whether attention's backward must be deterministic: ``torch.use_deterministic_algorithms(True)``, else the
+    innermost ``use_deterministic_attention``, else ``$FUSEDLAYERS_DETERMINISTIC_ATTENTION`` (default 1)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return True
+    if _deterministic_attention is not None:
+        return _deterministic_attention
+    value = os.environ.get("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FUSEDLAYERS_DETERMINISTIC_ATTENTION must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def triton_interpreter_on() -> bool:

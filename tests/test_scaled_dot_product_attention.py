@@ -968,6 +968,94 @@ def test_triton_kernels_only_needed_grads_and_determinism():
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
 
 
+def test_deterministic_attention_setting(monkeypatch):
+    from fusedlayers.backend import deterministic_attention
+    monkeypatch.delenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", raising=False)
+    assert deterministic_attention()  # the default
+    with fl.use_deterministic_attention(False):
+        assert not deterministic_attention()
+        with fl.use_deterministic_attention(True):
+            assert deterministic_attention()
+        assert not deterministic_attention()
+        previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert deterministic_attention()  # torch's global switch wins
+        finally:
+            torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    assert deterministic_attention()
+    monkeypatch.setenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "0")
+    assert not deterministic_attention()
+    with fl.use_deterministic_attention(True):
+        assert deterministic_attention()
+    monkeypatch.setenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "no")
+    with pytest.raises(ValueError, match="FUSEDLAYERS_DETERMINISTIC_ATTENTION must be 0 or 1"):
+        deterministic_attention()
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with fl.use_deterministic_attention("off"):
+            pass
+
+
+def launched_kernels(monkeypatch) -> list[str]:
+    """Names of the attention kernels launched from now on (the launcher's ``launch`` wrapped)."""
+    from fusedlayers.kernels import scaled_dot_product_attention as attn_kernels
+    names, launch = [], attn_kernels.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(attn_kernels, "launch", spy)
+    return names
+
+
+# head dims in (64, 128], 16-bit: where the dK/dV kernel adds dQ atomically once determinism is off
+ATOMIC_DQ_CASES = [
+    (1, 4, 2, 37, 45, 80, True),  # GQA 2:1, L < S, odd lengths, D 80 padded to 128
+    (2, 2, 2, 50, 50, 128, False),
+    (1, 2, 1, 66, 30, 100, True),  # L > S
+]
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+@pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
+def test_triton_nondeterministic_backward_adds_dq_atomically(case, monkeypatch):
+    B, H, H_kv, L, S, D, causal = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.float16)
+    names = launched_kernels(monkeypatch)
+    with fl.use_deterministic_attention(False):
+        check_parity(q, k, v, None, causal, backend="triton")
+    assert "_attn_bwd_dkdv_kernel" in names and "_attn_bwd_dq_kernel" not in names
+    names.clear()
+    check_parity(q, k, v, None, causal, backend="triton")  # the default: dQ's own kernel
+    assert "_attn_bwd_dq_kernel" in names
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+def test_triton_nondeterministic_backward_keeps_deterministic_where_atomics_do_not_pay(monkeypatch):
+    """fp32, D <= 64, an attn_mask, or only dQ asked for: dQ keeps its own kernel."""
+    names = launched_kernels(monkeypatch)
+    with fl.use_deterministic_attention(False), fl.use_backend("triton"):
+        for dtype, D, mask in ((torch.float32, 128, None), (torch.float16, 64, None), (torch.float16, 128, "bool")):
+            q, k, v, m = make_inputs(1, 2, 2, 20, 20, D, D, dtype, mask=mask)
+            q.requires_grad_()
+            fl.scaled_dot_product_attention(q, k, v, attn_mask=m).sum().backward()
+            assert "_attn_bwd_dq_kernel" in names, (dtype, D, mask)
+            names.clear()
+        q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 128, 128, torch.float16)
+        q.requires_grad_()
+        fl.scaled_dot_product_attention(q, k, v).sum().backward()  # dQ only: no dK/dV kernel to add it
+        assert names[-1] == "_attn_bwd_dq_kernel" and "_attn_bwd_dkdv_kernel" not in names
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+def test_triton_nondeterministic_backward_window_softcap(monkeypatch):
+    names = launched_kernels(monkeypatch)
+    with fl.use_deterministic_attention(False):
+        check_window_softcap((1, 2, 1, 70, 60, 96, True, None, (20, 0), 1.5), torch.float16, backend="triton")
+    assert "_attn_bwd_dq_kernel" not in names
+
+
 # ----------------------------------------------------------------------------- CUDA (lent GPU)
 
 GPU_CASES = [
@@ -1373,3 +1461,35 @@ def test_cuda_hopper_forward_falls_back_where_the_tma_cannot_read(monkeypatch):
     q, k, v = flat[1:].view(3, 2, 4, 256, 64).unbind(0)  # 2 bytes past an aligned address
     assert not hopper.applies(q, k, v, True, 0.125, True)
     check_parity(q, k, v, None, True)
+
+
+ATOMIC_DQ_GPU_CASES = [
+    (2, 4, 4, 300, 517, 128, True),  # odd, L < S
+    (1, 4, 4, 517, 300, 128, True),  # L > S
+    (2, 8, 2, 384, 384, 128, False),  # GQA 4:1
+    (1, 2, 2, 190, 270, 80, False),  # D padded to 128
+    (1, 2, 2, 1000, 1000, 100, True),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ATOMIC_DQ_GPU_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
+def test_cuda_nondeterministic_backward(case, dtype, monkeypatch):
+    """dQ added by the dK/dV kernel (TMA bulk reductions on Hopper): within the same error rule as the default."""
+    B, H, H_kv, L, S, D, causal = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
+    names = launched_kernels(monkeypatch)
+    with fl.use_deterministic_attention(False):
+        check_parity(q, k, v, None, causal)
+    assert "_attn_bwd_dkdv_kernel" in names and "_attn_bwd_dq_kernel" not in names
+
+
+@pytest.mark.cuda
+def test_cuda_nondeterministic_backward_window_softcap(monkeypatch):
+    names = launched_kernels(monkeypatch)
+    with fl.use_deterministic_attention(False):
+        for case in ((1, 4, 2, 700, 650, 128, True, None, (200, 0), 0.0), (1, 2, 2, 300, 300, 128, False, None,
+                                                                          (-1, -1), 2.0)):
+            check_window_softcap(case, torch.bfloat16, device="cuda")
+    assert "_attn_bwd_dq_kernel" not in names

@@ -44,7 +44,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fusedlayers import backend
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
@@ -445,16 +447,20 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, lo, hi,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, lo, hi,
     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale, cap_mult,
-    RowLo, RowHi,
+    L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
+    cap_mult, RowLo, RowHi,
     CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     DROPOUT: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, TMA_DQ: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles."""
+    """Accumulate dK, dV of one key block over query blocks [lo, hi), in transposed (key x query) tiles.
+    ATOMIC_DQ: also add this key block's share of dQ (dS^T K) into the fp32 rows at ``dq_base`` (row stride D), or
+    with TMA_DQ through ``dq_base``, a tensor descriptor of the (B * H, L, BLOCK_D) fp32 dQ (a bulk reduction the
+    TMA unit carries out while the loop goes on)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -502,7 +508,7 @@ def _bwd_dkdv_inner(
                 dv = _mma(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, IEEE)
             else:
                 dv = _mma(p_t.to(do.dtype), do, dv, IEEE)
-        if COMPUTE_DK or STORE_DS:
+        if COMPUTE_DK or STORE_DS or ATOMIC_DQ:
             if CHECK_ROWS:
                 delta = tl.load(delta_base + offs_m, mask=offs_m < L, other=0.0)
             else:
@@ -518,12 +524,19 @@ def _bwd_dkdv_inner(
                 ds_t = ds_t * (1.0 - t_t * t_t)
             if COMPUTE_DK:
                 dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
+            if ATOMIC_DQ:
+                dq = _mm(tl.trans(ds_t.to(k.dtype)), k, IEEE) * scale
+                if TMA_DQ:
+                    dq_base.atomic_add([bh, start_m, 0], tl.reshape(dq, [1, BLOCK_M, dq.shape[1]]))
+                else:
+                    tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq,
+                                  mask=(offs_m[:, None] < L) & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed0", "seed1", "drop_threshold"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, RowLo, RowHi, ColLo, ColHi,
+    Q, K, V, DO, Lse, Delta, DK, DV_, Mask, DS, DQ32, RowLo, RowHi, ColLo, ColHi,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -534,8 +547,9 @@ def _attn_bwd_dkdv_kernel(
     H, GROUP, L, S, D, DV, qk_scale, scale, seed0, seed1, drop_threshold, inv_keep, win_left, win_right, cap_scale,
     cap_mult,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DROPOUT: tl.constexpr,
-    COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, STORE_DS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    TMA_DQ: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -595,52 +609,56 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + bh.to(tl.int64) * L
         mask_base = Mask + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         ds_base = DS + bh.to(tl.int64) * L * S
+        if TMA_DQ:
+            dq_base = DQ32
+        else:
+            dq_base = DQ32 + bh.to(tl.int64) * L * D
         if WINDOW or INTERVALS:  # masked edges, unmasked middle
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_lo, full_lo,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_lo, full_lo,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
+                L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                cap_scale, cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK,
+                COMPUTE_DV, STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_lo, full_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_lo, full_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                cap_scale, cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV,
+                STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, full_hi, m_hi,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, full_hi, m_hi,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
+                L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                cap_scale, cap_mult, RowLo, RowHi, IS_CAUSAL, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK,
+                COMPUTE_DV, STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, WINDOW, SOFTCAP, INTERVALS, BLOCK_M,
             )
         else:
             if IS_CAUSAL:
                 dk, dv = _bwd_dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
                     m_start, tl.minimum(m_mid, L),
                     offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                    L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                    cap_mult, RowLo, RowHi, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                    EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                    L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                    cap_scale, cap_mult, RowLo, RowHi, True, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV,
+                    STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
                 )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, m_mid, l_even,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base, m_mid, l_even,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                cap_scale, cap_mult, RowLo, RowHi, False, False, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV,
+                STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, ds_base, dq_base,
                 tl.maximum(m_mid, l_even), L,
                 offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_gm, stride_gd, stride_mm, stride_mn,
-                L, S, D, DV, qk_scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right, cap_scale,
-                cap_mult, RowLo, RowHi, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV, STORE_DS,
-                EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
+                L, S, D, DV, qk_scale, scale, seed0, seed1, bh, drop_threshold, inv_keep, win_left, win_right,
+                cap_scale, cap_mult, RowLo, RowHi, False, True, HAS_MASK, MASK_BOOL, DROPOUT, COMPUTE_DK, COMPUTE_DV,
+                STORE_DS, ATOMIC_DQ, TMA_DQ, EVEN_D, EVEN_DV, IEEE, False, SOFTCAP, False, BLOCK_M,
             )
 
     key_rows = offs_n[:, None] < S
@@ -820,6 +838,8 @@ _DQ_MASK = {128: Config(64, 32, 4, 3)}
 # at D128 the fastest of five candidates timed on an H100 (bf16, 16K tokens; documents of 70-2663 tokens, windows
 # 1024 and 4096): backward 206 / 243 / 294 TFLOP/s against 180 / 218 / 274 for the dense (32, 128, 8, 2).
 _DKDV_SPARSE = {128: Config(32, 64, 4, 3)}
+# dK/dV adding dQ atomically (D128, 16-bit): the fastest of six candidates on an H200 (L 1K-16K, causal and not).
+_DKDV_ATOMIC = Config(64, 128, 8, 2)
 # fp32 inputs (IEEE dots, twice the bytes per element): smaller tiles.
 _FWD_FP32 = {64: Config(64, 32, 8, 1), 128: Config(32, 32, 4, 1), 256: Config(16, 16, 4, 1)}
 _DKDV_FP32 = {128: Config(16, 32, 4, 1), 256: Config(16, 16, 4, 1)}
@@ -855,6 +875,13 @@ def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, d
         if min(_head_block(d), _head_block(dv)) == 256:
             return _WIDE[kind]
     return _pick(table, bd)
+
+
+def _atomic_dq_pays(dtype: torch.dtype, bd: int, bdv: int, has_mask: bool) -> bool:
+    """Whether the dK/dV kernel adds dQ atomically (``fl.use_deterministic_attention(False)``): only where that was
+    measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; benchmarks/results)."""
+    return (dtype != torch.float32 and bd == 128 and bdv <= 128 and not has_mask
+            and not backend.deterministic_attention())
 
 
 def _mask_args(mask: torch.Tensor | None, fallback: torch.Tensor):
@@ -985,16 +1012,27 @@ def attention_backward(
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
+    atomic_dq = need_dq and (need_dk or need_dv) and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None)
+    tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    dq32 = delta
+    if tma_dq:
+        dq32 = torch.zeros((B * H, L, bd), dtype=torch.float32, device=dev)
+    elif atomic_dq:
+        dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if need_dk or need_dv or need_dmask:
-        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
+        cfg = _DKDV_ATOMIC if atomic_dq and dev.type == "cuda" and BWD_DKDV_CONFIG is None else \
+            kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
             q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t, ds if need_dmask else delta,
+            TensorDescriptor.from_tensor(dq32, [1, cfg.block_m, bd]) if tma_dq else dq32,
             row_lo, row_hi, col_lo, col_hi, *strides, *dk_t.stride(), *dv_t.stride(), *scalars,
-            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, **common,
+            COMPUTE_DK=need_dk, COMPUTE_DV=need_dv, STORE_DS=need_dmask, ATOMIC_DQ=atomic_dq, TMA_DQ=tma_dq, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if need_dq:
+    if atomic_dq:
+        dq.copy_(dq32.view(B, H, L, -1)[..., :D])
+    elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask_t, row_lo, row_hi, *strides, *dq.stride(), *scalars, **common,
