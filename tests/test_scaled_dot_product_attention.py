@@ -1450,6 +1450,37 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     check_parity(q, k, v, None, causal)
 
 
+HOPPER_BACKWARD_CASES = HOPPER_CASES + [
+    (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
+    (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
+    (3, 2, 1, 200, 200, 64, True),
+    (1, 2, 2, 64, 2000, 64, False),  # one query block, many key blocks
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
+                         ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
+def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
+    """On an H100/H200 the plain 16-bit backward's dK/dV pass runs the Gluon kernel, dQ the Triton one: parity of
+    every gradient, and the Triton dK/dV kernel not launched."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    B, H, H_kv, L, S, D, causal = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
+    if layout == "bthd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    names = launched_kernels(monkeypatch)
+    calls, gluon_dkdv = [], hopper.attention_backward_dkdv
+    monkeypatch.setattr(hopper, "attention_backward_dkdv", lambda *a, **kw: (calls.append(1), gluon_dkdv(*a, **kw)))
+    check_parity(q, k, v, None, causal)
+    assert calls and "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" in names
+
+
 @pytest.mark.cuda
 def test_cuda_hopper_forward_falls_back_where_the_tma_cannot_read(monkeypatch):
     """A tensor whose base is not 16-byte aligned cannot be described to the TMA: the Triton forward runs it."""

@@ -235,3 +235,150 @@ if gluon is not None:
         ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                 + gl.expand_dims(offs_mo, 1) * stride_om + gl.expand_dims(offs_d, 0) * stride_od)
         gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(offs_mo < L, 1))
+
+
+# ----------------------------------------------------------------------------- backward: dK and dV
+
+# (BLOCK_N keys, BLOCK_M queries, warps) per head dim: a program owns one key block, its dK and dV stay in registers
+# (two warpgroups of 64 key rows each at BLOCK_N = 128) while query blocks stream through two-deep TMA rings.
+_DKDV_CONFIGS = {64: (128, 64, 8), 128: (128, 64, 8)}
+backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
+
+
+def applies_backward(q, k, v, out, grad_out, plain: bool, scale: float) -> bool:
+    """Whether the dK/dV pass runs here (the dQ pass stays Triton's): as ``applies``, grad_out too in TMA's reach."""
+    if gluon is None or not (enabled and backward_enabled) or not plain or scale <= 0.0 or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or k.shape[2] == 0 or q.shape[2] == 0:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
+        return False
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    return all(_tma_compatible(t) for t in (q, k, v, grad_out))
+
+
+def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
+                            dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Writes dK, dV (any strides) for q (B, H, L, D), k/v (B, H_kv, S, D); ``lse`` (natural log) and ``delta``
+    (rowsum(dO * O)) fp32 (B, H, L) contiguous; ``qk_scale`` in base-2 units, ``scale`` the softmax scale."""
+    B, H, L, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    block_n, block_m, warps = _DKDV_CONFIGS[D]
+    grid = (cdiv(S, block_n), B * H_kv)
+    _attn_bwd_dkdv_hopper[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
+        lse, delta, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, qk_scale, scale,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, num_warps=warps,
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DK, DV,
+                              stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                              stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                              H, GROUP, L, S, qk_scale, scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """One key block: S^T = K Q^T and dP^T = V dO^T for each query block (of every query head sharing this
+        key head), P^T = exp(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, all in transposed
+        (key x query) tiles so that P^T and dS^T feed the next products from registers."""
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        pid_n = gl.program_id(0)
+        bhk = gl.program_id(1)
+        H_KV = H // GROUP
+        b = bhk // H_KV
+        hk = bhk % H_KV
+        n0 = pid_n * BLOCK_N
+        if CAUSAL:  # queries before this key block see none of it
+            m_start = (n0 // BLOCK_M) * BLOCK_M
+        else:
+            m_start = 0
+        n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
+        total = GROUP * n_m
+
+        k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        do_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(do_bar.index(i), count=1)
+        fence_async_shared()
+
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
+        for i in gl.static_range(2):
+            h = hk * GROUP + i // gl.maximum(n_m, 1)
+            m0 = m_start + (i % gl.maximum(n_m, 1)) * BLOCK_M
+            _load(q_desc, b, h, m0, q_bar.index(i), q_smem.index(i), i < total)
+            _load(do_desc, b, h, m0, do_bar.index(i), do_smem.index(i), i < total)
+        k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        mbarrier.wait(kv_bar, phase=0)
+        for i in range(total):
+            buf = i % 2
+            phase = (i // 2) & 1
+            g = i // n_m
+            m0 = m_start + (i % n_m) * BLOCK_M
+            bh = b * H + hk * GROUP + g
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+            # query rows past L: logsumexp +inf, so P = 0 there (the TMA reads their q and dO as zeros)
+            lse = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
+            delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+            q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_bar.index(buf), phase=phase)
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bar.index(buf), phase=phase)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
+            if CAUSAL:
+                if m0 < n0 + BLOCK_N:  # only the blocks that cross the diagonal pay for the mask
+                    p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_tile, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            # this buffer's q and dO are read: it takes iteration i + 2's
+            nxt = i + 2
+            h_next = hk * GROUP + nxt // n_m
+            m_next = m_start + (nxt % n_m) * BLOCK_M
+            _load(q_desc, b, h_next, m_next, q_bar.index(buf), q_smem.index(buf), nxt < total)
+            _load(do_desc, b, h_next, m_next, do_bar.index(buf), do_smem.index(buf), nxt < total)
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(q_bar.index(i))
+            mbarrier.invalidate(do_bar.index(i))
+
+        offs_na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        rows = gl.expand_dims(offs_na < S, 1)
+        dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+                   + gl.expand_dims(offs_na, 1) * stride_dkn + gl.expand_dims(offs_d, 0) * stride_dkd)
+        gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
+        dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
+                   + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)

@@ -1019,7 +1019,12 @@ def attention_backward(
         dq32 = torch.zeros((B * H, L, bd), dtype=torch.float32, device=dev)
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
-    if need_dk or need_dv or need_dmask:
+    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
+    if (need_dk and need_dv and not atomic_dq and BWD_DKDV_CONFIG is None
+            and hopper.applies_backward(q, k, v, out, grad_out, plain, scale)):
+        hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
+                                       scale, dk, dv)
+    elif need_dk or need_dv or need_dmask:
         cfg = _DKDV_ATOMIC if atomic_dq and dev.type == "cuda" and BWD_DKDV_CONFIG is None else \
             kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
