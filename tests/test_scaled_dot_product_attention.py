@@ -1464,12 +1464,14 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
 @pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
 def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
-    """On an H100/H200 the plain 16-bit backward's dK/dV pass runs the Gluon kernel, dQ the Triton one: parity of
-    every gradient, and the Triton dK/dV kernel not launched."""
+    """On an H100/H200 the plain 16-bit backward's dK/dV pass runs the Gluon kernel (head dim 128, and 64 not causal),
+    dQ the Triton one: parity of every gradient, and the Triton dK/dV kernel launched only where the Gluon one is not
+    meant to run."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
     if layout == "bthd":
@@ -1478,7 +1480,9 @@ def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
     calls, gluon_dkdv = [], hopper.attention_backward_dkdv
     monkeypatch.setattr(hopper, "attention_backward_dkdv", lambda *a, **kw: (calls.append(1), gluon_dkdv(*a, **kw)))
     check_parity(q, k, v, None, causal)
-    assert calls and "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" in names
+    gluon_dkdv_expected = D == 128 or not causal
+    assert bool(calls) == gluon_dkdv_expected and ("_attn_bwd_dkdv_kernel" in names) != gluon_dkdv_expected
+    assert "_attn_bwd_dq_kernel" in names
 
 
 @pytest.mark.cuda

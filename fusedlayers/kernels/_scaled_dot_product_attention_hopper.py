@@ -240,13 +240,18 @@ if gluon is not None:
 # ----------------------------------------------------------------------------- backward: dK and dV
 
 # (BLOCK_N keys, BLOCK_M queries, warps) per head dim: a program owns one key block, its dK and dV stay in registers
-# (two warpgroups of 64 key rows each at BLOCK_N = 128) while query blocks stream through two-deep TMA rings.
-_DKDV_CONFIGS = {64: (128, 64, 8), 128: (128, 64, 8)}
+# (at D128 two warpgroups of 64 key rows each) while query blocks stream through two-deep TMA rings. The fastest of
+# two to four candidates each on an H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K). Measured against the Triton
+# dK/dV kernel in the same process, forward+backward, two runs: D128 1.06-1.22x from MIN_FLOPS up (0.95-0.99x at the
+# causal L = 1024 shapes below it); D64 1.01-1.06x not causal, 0.75-1.02x causal, so D64 causal stays Triton's. A
+# software-pipelined variant (the next block's S^T issued behind this block's dK product) was 0.92-0.95x of this one.
+_DKDV_CONFIGS = {64: (64, 64, 4), 128: (128, 64, 8)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
-def applies_backward(q, k, v, out, grad_out, plain: bool, scale: float) -> bool:
-    """Whether the dK/dV pass runs here (the dQ pass stays Triton's): as ``applies``, grad_out too in TMA's reach."""
+def applies_backward(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
+    """Whether the dK/dV pass runs here (the dQ pass stays Triton's): as ``applies`` (grad_out too in TMA's reach),
+    where it measured faster (``_DKDV_CONFIGS``)."""
     if gluon is None or not (enabled and backward_enabled) or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9 or k.shape[2] == 0 or q.shape[2] == 0:
@@ -254,6 +259,11 @@ def applies_backward(q, k, v, out, grad_out, plain: bool, scale: float) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
         return False
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    if q.shape[-1] == 64 and is_causal:
+        return False
+    B, H, L, D = q.shape
+    if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
         return False
     return all(_tma_compatible(t) for t in (q, k, v, grad_out))
 

@@ -1012,16 +1012,20 @@ def attention_backward(
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
-    atomic_dq = need_dq and (need_dk or need_dv) and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None)
+    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
+    # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
+    # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
+    gluon_dkdv = (need_dk and need_dv and BWD_DKDV_CONFIG is None
+                  and hopper.applies_backward(q, k, v, grad_out, plain, scale, is_causal))
+    atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
+                 and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None))
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
         dq32 = torch.zeros((B * H, L, bd), dtype=torch.float32, device=dev)
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
-    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
-    if (need_dk and need_dv and not atomic_dq and BWD_DKDV_CONFIG is None
-            and hopper.applies_backward(q, k, v, out, grad_out, plain, scale)):
+    if gluon_dkdv:
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
                                        scale, dk, dv)
     elif need_dk or need_dv or need_dmask:
