@@ -1464,9 +1464,8 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
 @pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
 def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
-    """On an H100/H200 the plain 16-bit backward's dK/dV pass runs the Gluon kernel (head dim 128, and 64 not causal),
-    dQ the Triton one: parity of every gradient, and the Triton dK/dV kernel launched only where the Gluon one is not
-    meant to run."""
+    """On an H100/H200 the plain 16-bit backward runs the Gluon kernels: dQ, and dK/dV at head dim 128 and at 64 not
+    causal: parity of every gradient, and the Triton kernels launched only where the Gluon ones are not meant to run."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1477,12 +1476,15 @@ def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
     if layout == "bthd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     names = launched_kernels(monkeypatch)
-    calls, gluon_dkdv = [], hopper.attention_backward_dkdv
-    monkeypatch.setattr(hopper, "attention_backward_dkdv", lambda *a, **kw: (calls.append(1), gluon_dkdv(*a, **kw)))
+    calls = []
+    for kind in ("dkdv", "dq"):
+        gluon_kernel = getattr(hopper, f"attention_backward_{kind}")
+        monkeypatch.setattr(hopper, f"attention_backward_{kind}",
+                            lambda *a, kind=kind, fn=gluon_kernel, **kw: (calls.append(kind), fn(*a, **kw)))
     check_parity(q, k, v, None, causal)
     gluon_dkdv_expected = D == 128 or not causal
-    assert bool(calls) == gluon_dkdv_expected and ("_attn_bwd_dkdv_kernel" in names) != gluon_dkdv_expected
-    assert "_attn_bwd_dq_kernel" in names
+    assert ("dkdv" in calls) == gluon_dkdv_expected and ("_attn_bwd_dkdv_kernel" in names) != gluon_dkdv_expected
+    assert "dq" in calls and "_attn_bwd_dq_kernel" not in names
 
 
 @pytest.mark.cuda

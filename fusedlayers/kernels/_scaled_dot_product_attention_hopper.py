@@ -249,10 +249,9 @@ _DKDV_CONFIGS = {64: (64, 64, 4), 128: (128, 64, 8)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
-def applies_backward(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
-    """Whether the dK/dV pass runs here (the dQ pass stays Triton's): as ``applies`` (grad_out too in TMA's reach),
-    where it measured faster (``_DKDV_CONFIGS``)."""
-    if gluon is None or not (enabled and backward_enabled) or not plain or scale <= 0.0 or not q.is_cuda:
+def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
+    """As ``applies`` (grad_out too in TMA's reach)."""
+    if gluon is None or not enabled or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9 or k.shape[2] == 0 or q.shape[2] == 0:
         return False
@@ -260,12 +259,21 @@ def applies_backward(q, k, v, grad_out, plain: bool, scale: float, is_causal: bo
         return False
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
-    if q.shape[-1] == 64 and is_causal:
-        return False
     B, H, L, D = q.shape
     if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
         return False
     return all(_tma_compatible(t) for t in (q, k, v, grad_out))
+
+
+def applies_backward(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
+    """Whether the dK/dV pass runs here: where it measured faster (``_DKDV_CONFIGS``)."""
+    return (backward_enabled and not (q.shape[-1] == 64 and is_causal)
+            and _backward_applies(q, k, v, grad_out, plain, scale, is_causal))
+
+
+def applies_backward_dq(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
+    """Whether the dQ pass runs here (``_DQ_CONFIGS``)."""
+    return dq_enabled and _backward_applies(q, k, v, grad_out, plain, scale, is_causal)
 
 
 def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
@@ -392,3 +400,124 @@ if gluon is not None:
         dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
                    + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
+
+
+# ----------------------------------------------------------------------------- backward: dQ
+
+# (BLOCK_M queries, BLOCK_N keys, warps) per head dim: a program owns one query block (Q, dO resident, dQ in
+# registers) while key blocks stream through two-deep TMA rings. The fastest of three or four candidates each on an
+# H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K, with the Gluon dK/dV): forward+backward 1.03-1.10x the Triton dQ
+# kernel at D128 and 1.00-1.06x at D64 from MIN_FLOPS up; with the Gluon forward and dK/dV, 1.21-1.34x the all-Triton
+# path at D128 (L >= 4096) and 1.05-1.12x at D64.
+_DQ_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
+dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
+
+
+def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
+                          dq: torch.Tensor) -> None:
+    """Writes dQ (any strides); arguments as ``attention_backward_dkdv``'s."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    block_m, block_n, warps = _DQ_CONFIGS[D]
+    grid = (cdiv(L, block_m), B * H)
+    _attn_bwd_dq_hopper[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
+        lse, delta, dq, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, num_warps=warps,
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ,
+                            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                            H, GROUP, L, S, qk_scale, scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
+        dQ += dS K (dS from registers)."""
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        if CAUSAL:  # the longest rows first: the short ones fill the last wave
+            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        else:
+            pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        m0 = pid_m * BLOCK_M
+        if CAUSAL:
+            n = gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N)
+        else:
+            n = gl.cdiv(S, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(k_bar.index(i), count=1)
+            mbarrier.init(v_bar.index(i), count=1)
+        fence_async_shared()
+
+        mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_bar, do_smem)
+        for i in gl.static_range(2):
+            _load(k_desc, b, hk, i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
+            _load(v_desc, b, hk, i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
+        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
+
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+        # query rows past L: logsumexp +inf, so P = 0 there; key rows past S are zeros in K, adding nothing to dQ
+        lse2 = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        mbarrier.wait(qdo_bar, phase=0)
+        for j in range(n):
+            buf = j % 2
+            phase = (j // 2) & 1
+            k_tile = k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(k_bar.index(buf), phase=phase)
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(buf), phase=phase)
+            dp = warpgroup_mma(do_tile, v_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+            if CAUSAL:
+                if j * BLOCK_N + BLOCK_N > m0:  # only the blocks that cross the diagonal pay for the mask
+                    offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+                    p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+            # this slot's V is read: it takes block j + 2's
+            _load(v_desc, b, hk, (j + 2) * BLOCK_N, v_bar.index(buf), v_smem.index(buf), j + 2 < n)
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_tile, dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            _load(k_desc, b, hk, (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
+        mbarrier.invalidate(qdo_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(k_bar.index(i))
+            mbarrier.invalidate(v_bar.index(i))
+
+        offs_mo = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = (DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+                + gl.expand_dims(offs_mo, 1) * stride_dqm + gl.expand_dims(offs_d, 0) * stride_dqd)
+        gl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_mo < L, 1))

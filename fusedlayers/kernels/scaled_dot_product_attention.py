@@ -1041,6 +1041,9 @@ def attention_backward(
         )
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
+    elif need_dq and BWD_DQ_CONFIG is None and hopper.applies_backward_dq(q, k, v, grad_out, plain, scale, is_causal):
+        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
+                                     scale, dq)
     elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
