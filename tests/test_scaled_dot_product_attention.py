@@ -1020,6 +1020,9 @@ ATOMIC_DQ_CASES = [
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 @pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
 def test_triton_nondeterministic_backward_adds_dq_atomically(case, monkeypatch):
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # small causal calls keep dQ's kernel: not these
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.float16)
     names = launched_kernels(monkeypatch)
@@ -1033,9 +1036,14 @@ def test_triton_nondeterministic_backward_adds_dq_atomically(case, monkeypatch):
 
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 def test_triton_nondeterministic_backward_keeps_deterministic_where_atomics_do_not_pay(monkeypatch):
-    """fp32, D <= 64, an attn_mask, or only dQ asked for: dQ keeps its own kernel."""
+    """fp32, D <= 64, an attn_mask, a small causal call, or only dQ asked for: dQ keeps its own kernel."""
     names = launched_kernels(monkeypatch)
     with fl.use_deterministic_attention(False), fl.use_backend("triton"):
+        q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 128, 128, torch.float16)
+        q.requires_grad_()
+        fl.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        assert "_attn_bwd_dq_kernel" in names
+        names.clear()
         for dtype, D, mask in ((torch.float32, 128, None), (torch.float16, 64, None), (torch.float16, 128, "bool")):
             q, k, v, m = make_inputs(1, 2, 2, 20, 20, D, D, dtype, mask=mask)
             q.requires_grad_()
@@ -1050,7 +1058,7 @@ def test_triton_nondeterministic_backward_keeps_deterministic_where_atomics_do_n
 
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 def test_triton_nondeterministic_backward_window_softcap(monkeypatch):
-    names = launched_kernels(monkeypatch)
+    names = launched_kernels(monkeypatch)  # not plain: the small-causal rule does not apply
     with fl.use_deterministic_attention(False):
         check_window_softcap((1, 2, 1, 70, 60, 96, True, None, (20, 0), 1.5), torch.float16, backend="triton")
     assert "_attn_bwd_dq_kernel" not in names
@@ -1513,7 +1521,13 @@ ATOMIC_DQ_GPU_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ATOMIC_DQ_GPU_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
 def test_cuda_nondeterministic_backward(case, dtype, monkeypatch):
-    """dQ added by the dK/dV kernel (TMA bulk reductions on Hopper): within the same error rule as the default."""
+    """dQ added by the dK/dV kernel (TMA bulk reductions on Hopper): within the same error rule as the default.
+    The Gluon backward (deterministic, and preferred where it applies) is switched off to reach this path."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "backward_enabled", False)
+    monkeypatch.setattr(hopper, "dq_enabled", False)
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
     names = launched_kernels(monkeypatch)

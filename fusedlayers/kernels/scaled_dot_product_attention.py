@@ -877,10 +877,12 @@ def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, d
     return _pick(table, bd)
 
 
-def _atomic_dq_pays(dtype: torch.dtype, bd: int, bdv: int, has_mask: bool) -> bool:
+def _atomic_dq_pays(dtype: torch.dtype, bd: int, bdv: int, has_mask: bool, plain_causal_flops: int | None) -> bool:
     """Whether the dK/dV kernel adds dQ atomically (``fl.use_deterministic_attention(False)``): only where that was
-    measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; benchmarks/results)."""
-    return (dtype != torch.float32 and bd == 128 and bdv <= 128 and not has_mask
+    measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; not plain causal calls below
+    the Hopper kernels' MIN_FLOPS, where it was 0.95x; benchmarks/results/h*-scaled_dot_product_attention.md)."""
+    small_causal = plain_causal_flops is not None and plain_causal_flops < hopper.MIN_FLOPS
+    return (dtype != torch.float32 and bd == 128 and bdv <= 128 and not has_mask and not small_causal
             and not backend.deterministic_attention())
 
 
@@ -1018,7 +1020,8 @@ def attention_backward(
     gluon_dkdv = (need_dk and need_dv and BWD_DKDV_CONFIG is None
                   and hopper.applies_backward(q, k, v, grad_out, plain, scale, is_causal))
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
-                 and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None))
+                 and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
+                                     2 * B * H * L * S * D if plain and is_causal else None))
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
