@@ -1,20 +1,24 @@
-"""The attention forward for Hopper GPUs (sm_90), in Gluon: FA3's intra-warpgroup overlap written out.
+"""Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out, and the
+backward's two passes (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
 Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
-matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: here the next block's S = Q K^T and this
-block's O += P V are both in flight while the softmax of S runs, and K and V arrive by TMA (the bulk tensor copy
+matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: in the forward the next block's S = Q K^T and
+this block's O += P V are both in flight while the softmax of S runs, and K and V arrive by TMA (the bulk tensor copy
 engine) into rings of shared memory, each buffer refilled as soon as the product that read it has retired. Two
-programs share an SM (one warpgroup each), so one's softmax also runs under the other's products.
+programs share an SM (one warpgroup each), so one's softmax also runs under the other's products. The backward keeps
+the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams the query
+blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next products'
+register operands; a dQ program holds one query block and streams the key blocks.
 
-Measured on an H100 against the Triton forward in the same process (bf16, B*L = 16384, H*D = 2048, L 1K-16K, three
-runs; benchmarks/results/h100-attention-experiments.md): D128 forward 1.10-1.17x not causal, 1.04-1.09x causal at
-L >= 2048 (517-551 TFLOP/s not causal at L >= 2048); D64 1.01-1.10x. Forward+backward 0.99-1.16x (the backward is the
-Triton one). cuDNN's forward is still ahead: this one is 0.84-0.89x of it at D128 not causal, 0.90-0.99x at D64.
+Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
+h*-scaled_dot_product_attention.md): forward 1.00-1.19x, forward+backward 1.00-1.38x (D128 at L >= 4096 1.18-1.38x,
+H100 and H200). cuDNN is still ahead: forward 0.86-0.97x of it, forward+backward 0.75-0.86x (D 64/128, L >= 2048).
 
-It covers the plain forward only: fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout, window, softcap
-or packed sequences, a positive scale, and inputs the TMA can describe (last dim contiguous, other strides and the
-base 16-byte aligned). Everything else, the backward, other GPUs and the interpreter run the Triton kernels, whose
-logsumexp this kernel writes in the same units (natural log, fp32), so their backward takes its output as is.
+They cover the plain call only: fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout, window, softcap
+or packed sequences, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim contiguous,
+other strides and the base 16-byte aligned), calls of at least MIN_FLOPS, and for dK/dV at D64 only not causal.
+Everything else, other GPUs and the interpreter run the Triton kernels, whose logsumexp this forward writes in the
+same units (natural log, fp32), so either backward takes either forward's output as is.
 """
 
 from __future__ import annotations
