@@ -5,8 +5,8 @@
   ``fusedlayers`` is imported (Triton's interpreter; that is how CI tests the kernels).
 - ``reference``: the PyTorch reference everywhere (slow on GPU, but the ground truth).
 
-Choose with ``fl.use_backend(name)`` (a context manager, thread-local) or the environment variable
-``FUSEDLAYERS_BACKEND``.
+Choose with ``fl.use_backend(name)`` (a context manager, process-wide as torch's ``sdpa_kernel``) or the environment
+variable ``FUSEDLAYERS_BACKEND``.
 
 Attention's backward is deterministic by default (bitwise the same gradients every run).
 ``fl.use_deterministic_attention(False)`` (or ``FUSEDLAYERS_DETERMINISTIC_ATTENTION=0``) lets the Triton backward
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 import torch
 
 BACKENDS = ("auto", "triton", "reference")
 
 
-class _State(threading.local):
-    name: str | None = None  # the innermost use_backend's, per thread (a class default: no AttributeError to catch)
-
-
-_state = _State()
-# Process-wide, not per thread (as torch.use_deterministic_algorithms): the backward of CUDA tensors runs on
-# autograd's own device threads, which would not see a thread-local setting made where the forward ran.
+# Both settings are process-wide, not per thread (as torch's sdpa_kernel and use_deterministic_algorithms): the
+# backward of CUDA tensors runs on autograd's own device threads, which would not see a thread-local setting made
+# where the forward and the .backward() call ran.
+_backend_name: str | None = None  # the innermost use_backend's
 _deterministic_attention: bool | None = None  # the innermost use_deterministic_attention's
 
 
@@ -42,7 +38,7 @@ def _check_name(name: str) -> str:
 
 def current_backend() -> str:
     """The backend in force: the innermost ``use_backend``, else ``$FUSEDLAYERS_BACKEND``, else auto."""
-    name = _state.name
+    name = _backend_name
     if name is None:
         name = os.environ.get("FUSEDLAYERS_BACKEND", "auto")
         try:
@@ -54,14 +50,16 @@ def current_backend() -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the ops inside the ``with`` block on backend ``name`` ("auto" | "triton" | "reference")."""
+    """Run the ops inside the ``with`` block on backend ``name`` ("auto" | "triton" | "reference"), their backward
+    too when ``.backward()`` is called inside it (process-wide: CUDA backwards run on autograd's threads)."""
+    global _backend_name
     _check_name(name)
-    previous = _state.name
-    _state.name = name
+    previous = _backend_name
+    _backend_name = name
     try:
         yield
     finally:
-        _state.name = previous
+        _backend_name = previous
 
 
 @contextlib.contextmanager
@@ -102,7 +100,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
     Raises RuntimeError when the backend asks for Triton where Triton cannot run.
     """
-    name = _state.name or os.environ.get("FUSEDLAYERS_BACKEND", "auto")  # every op call runs this: no calls
+    name = _backend_name or os.environ.get("FUSEDLAYERS_BACKEND", "auto")  # every op call runs this: no calls
     if name == "auto":
         return tensor.is_cuda
     if name == "reference":

@@ -65,3 +65,39 @@ def test_backend_decides_which_implementation_runs(monkeypatch):
     with fl.use_backend("triton"):
         fl.softmax(x)
     assert calls == [1]
+
+
+def test_settings_reach_other_threads():
+    """Process-wide, not per thread: the backward of CUDA tensors runs on autograd's device threads, which must see
+    the backend (and attention's determinism) chosen where .backward() was called."""
+    import threading
+
+    seen = []
+
+    def look():
+        seen.append((fl.current_backend(), backend.deterministic_attention()))
+
+    with fl.use_backend("reference"), fl.use_deterministic_attention(False):
+        worker = threading.Thread(target=look)
+        worker.start()
+        worker.join()
+    assert seen == [("reference", False)]
+
+
+@pytest.mark.cuda
+def test_cuda_backward_runs_on_the_chosen_backend(monkeypatch):
+    """A hook on the output's gradient runs where autograd runs the CUDA backward (its device thread)."""
+    seen, calls = [], []
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with fl.use_backend("reference"):
+        y = fl.softmax(x, -1)
+        y.register_hook(lambda g: seen.append(fl.current_backend()))
+        y.sum().backward()
+    assert seen == ["reference"]
+    real = softmax_ops.kernels.softmax_backward
+    monkeypatch.setattr(softmax_ops.kernels, "softmax_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with fl.use_backend("reference"):
+        fl.softmax(x, -1).sum().backward()
+    assert calls == []  # the reference's backward, not the kernel's
+    fl.softmax(x, -1).sum().backward()
+    assert calls == [1]  # auto: the kernel's
