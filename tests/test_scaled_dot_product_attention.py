@@ -1461,6 +1461,7 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
     (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
+    (1, 4, 4, 300, 517, 128, True),  # L < S causal: key blocks no query reaches get zero dK, dV
     (3, 2, 1, 200, 200, 64, True),
     (1, 2, 2, 64, 2000, 64, False),  # one query block, many key blocks
 ]
