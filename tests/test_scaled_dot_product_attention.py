@@ -1496,6 +1496,27 @@ def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
     assert "dq" in calls and "_attn_bwd_dq_kernel" not in names
 
 
+def test_hopper_backward_routing(monkeypatch):
+    """Which backward passes the Hopper kernels take once a call qualifies (the shared checks stubbed, so this runs on
+    the CPU): dQ always, dK/dV except at head dim 64 causal (measured slower there); the A/B switches turn each off."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "_backward_applies", lambda *a: True)
+    def passes(d, causal):
+        q = torch.empty(1, 1, 4, d)
+        return hopper.backward_passes(q, q, q, q, True, 1.0, causal)
+
+    assert passes(128, True) == passes(128, False) == passes(64, False) == (True, True)
+    assert passes(64, True) == (False, True)
+    monkeypatch.setattr(hopper, "dq_enabled", False)
+    assert passes(128, True) == (True, False)
+    monkeypatch.setattr(hopper, "backward_enabled", False)
+    assert passes(128, True) == (False, False)
+    monkeypatch.setattr(hopper, "_backward_applies", lambda *a: False)
+    monkeypatch.setattr(hopper, "backward_enabled", True)
+    assert passes(128, False) == (False, False)
+
+
 @pytest.mark.cuda
 def test_cuda_hopper_forward_falls_back_where_the_tma_cannot_read(monkeypatch):
     """A tensor whose base is not 16-byte aligned cannot be described to the TMA: the Triton forward runs it."""

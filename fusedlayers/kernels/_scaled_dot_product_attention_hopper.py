@@ -269,15 +269,12 @@ def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: b
     return all(_tma_compatible(t) for t in (q, k, v, grad_out))
 
 
-def applies_backward(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
-    """Whether the dK/dV pass runs here: where it measured faster (``_DKDV_CONFIGS``)."""
-    return (backward_enabled and not (q.shape[-1] == 64 and is_causal)
-            and _backward_applies(q, k, v, grad_out, plain, scale, is_causal))
-
-
-def applies_backward_dq(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
-    """Whether the dQ pass runs here (``_DQ_CONFIGS``)."""
-    return dq_enabled and _backward_applies(q, k, v, grad_out, plain, scale, is_causal)
+def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> tuple[bool, bool]:
+    """(dK/dV, dQ): which backward passes run here, each where it measured faster (``_DKDV_CONFIGS``,
+    ``_DQ_CONFIGS``); the shared checks run once per backward."""
+    if not (backward_enabled or dq_enabled) or not _backward_applies(q, k, v, grad_out, plain, scale, is_causal):
+        return False, False
+    return backward_enabled and not (q.shape[-1] == 64 and is_causal), dq_enabled
 
 
 def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,

@@ -1017,8 +1017,8 @@ def attention_backward(
     plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    gluon_dkdv = (need_dk and need_dv and BWD_DKDV_CONFIG is None
-                  and hopper.applies_backward(q, k, v, grad_out, plain, scale, is_causal))
+    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, plain, scale, is_causal)
+    gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
                                      2 * B * H * L * S * D if plain and is_causal else None))
@@ -1044,7 +1044,7 @@ def attention_backward(
         )
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
-    elif need_dq and BWD_DQ_CONFIG is None and hopper.applies_backward_dq(q, k, v, grad_out, plain, scale, is_causal):
+    elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
                                      scale, dq)
     elif need_dq:
