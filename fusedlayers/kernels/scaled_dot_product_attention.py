@@ -853,14 +853,16 @@ def _pick(table: dict, bd: int) -> Config:
 
 
 def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, is_causal: bool,
-                  has_mask: bool = False, sparse: bool = False) -> Config:
-    """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); ``sparse``: a window or intervals. The module-level
-    overrides win (tuning)."""
+                  has_mask: bool = False, sparse: bool = False, atomic_dq: bool = False) -> Config:
+    """Block config of kernel ``kind`` ("fwd", "dkdv", "dq"); ``sparse``: a window or intervals; ``atomic_dq``: the
+    dK/dV kernel adds dQ too. The module-level overrides win (tuning)."""
     override = {"fwd": FWD_CONFIG, "dkdv": BWD_DKDV_CONFIG, "dq": BWD_DQ_CONFIG}[kind]
     if override is not None:
         return override
     if device.type != "cuda":
         return _INTERPRETER[kind]
+    if atomic_dq and kind == "dkdv":  # only ever 16-bit, head dims in (64, 128]: _atomic_dq_pays
+        return _DKDV_ATOMIC
     bd = max(_head_block(d), _head_block(dv))
     if dtype == torch.float32:
         table = {"fwd": _FWD_FP32, "dkdv": _DKDV_FP32, "dq": _DQ_FP32}[kind]
@@ -1032,8 +1034,7 @@ def attention_backward(
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
                                        scale, dk, dv)
     elif need_dk or need_dv or need_dmask:
-        cfg = _DKDV_ATOMIC if atomic_dq and dev.type == "cuda" and BWD_DKDV_CONFIG is None else \
-            kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
+        cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse, atomic_dq)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
         launch(_attn_bwd_dkdv_kernel, (cdiv(S, cfg.block_n), B * H_kv),
             q, k, v, grad_out, lse, delta, dk_t, dv_t, mask_t, ds if need_dmask else delta,
