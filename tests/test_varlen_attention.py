@@ -190,6 +190,35 @@ def test_cuda_matches_attention_per_sequence(case, dtype):
     check(case, dtype, device="cuda")
 
 
+# head dims 64 and 128, sequences longer than the Hopper kernels' blocks
+HOPPER_CASES = [
+    ([700, 1, 0, 333, 150, 64], None, 4, 4, 128, True, (-1, -1), 0.0),
+    ([300, 17, 260], None, 4, 2, 64, True, (127, 0), 0.0),
+    ([200, 150], None, 2, 2, 128, False, (100, 50), 0.0),
+    ([300, 80, 200], [150, 0, 260], 2, 2, 128, True, (-1, -1), 0.0),  # more queries than keys: rows without keys
+    ([129, 64, 255], [200, 64, 100], 4, 1, 64, False, (-1, -1), 0.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=[f"case{i}" for i in range(len(HOPPER_CASES))])
+def test_cuda_hopper_kernels(case, dtype, monkeypatch):
+    """On Hopper the Gluon kernels run packed sequences and windows (as per-row key intervals), forward, dK/dV and dQ:
+    each ran, and the parity rule holds."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
+    calls = []
+    for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
+        kernel = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
+    check(case, dtype, device="cuda")
+    assert set(calls) == {"attention_forward", "attention_backward_dkdv", "attention_backward_dq"}
+
+
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])
 def test_reference_in_small_chunks(case, monkeypatch):
     """The reference's query chunks (each against the keys its rows' intervals span, batched) add up to the same

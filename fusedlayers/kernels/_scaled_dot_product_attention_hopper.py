@@ -60,7 +60,8 @@ MIN_FLOPS = 2**37
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool) -> bool:
-    """Whether this kernel runs the call: ``plain`` = no mask, dropout, window, softcap or packed sequences."""
+    """Whether this kernel runs the call: ``plain`` = no mask, dropout, window or softcap (packed sequences' key
+    intervals are taken)."""
     if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -100,28 +101,39 @@ def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32) for q (B, H, L, D), k/v (B, H_kv, S, D);
-    ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's ``_exponent_scale``)."""
+def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                      intervals: tuple[torch.Tensor, ...] | None = None) -> None:
+    """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32; +inf for a row without keys) for q (B, H, L, D),
+    k/v (B, H_kv, S, D); ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's
+    ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1."""
     B, H, L, D = q.shape
     S = k.shape[2]
-    block_m, block_n, v_bufs = _CONFIGS[(D, is_causal)]
+    block_m, block_n, v_bufs = _CONFIGS[(D, is_causal or intervals is not None)]
+    row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     grid = (cdiv(L, block_m), B * H)
     _attn_fwd_hopper[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, row_lo, row_hi,
         *out.stride(), H, H // k.shape[1], L, S, qk_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
-        num_warps=4,
+        INTERVALS=intervals is not None, num_warps=4,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, offs_m, start_n, q_lo, S,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, s_layout: gl.constexpr):
-        """p = exp2(s * scale - m) with the running max m and sum l updated; alpha rescales the output."""
-        if CAUSAL or not EVEN_S:
+    def _softmax_step(s, m_i, l_i, qk_scale, offs_m, start_n, q_lo, S, row_lo, row_hi, seen_lo, seen_hi,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr,
+                      s_layout: gl.constexpr):
+        """p = exp2(s * scale - m) with the running max m and sum l updated; alpha rescales the output. INTERVALS:
+        row i keeps keys [row_lo[i], row_hi[i]]; blocks outside [seen_lo, seen_hi] (the keys every row keeps) are
+        masked, and a row may have no key yet (m = -inf: p = alpha = 0)."""
+        if INTERVALS:
+            if start_n < seen_lo or start_n + BLOCK_N - 1 > seen_hi:
+                offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+                keep = (offs_n >= gl.expand_dims(row_lo, 1)) & (offs_n <= gl.expand_dims(row_hi, 1))
+                s = gl.where(keep, s, float("-inf"))
+        elif CAUSAL or not EVEN_S:
             # the blocks that cross the diagonal, the ragged last one (the TMA reads zeros past S)
             if (CAUSAL and start_n + BLOCK_N > q_lo) or (not EVEN_S and start_n + BLOCK_N > S):
                 offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -130,8 +142,12 @@ if gluon is not None:
                     keep = keep & (gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0))
                 s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # one FMA per score
-        alpha = gl.exp2(m_i - m_new)
+        if INTERVALS:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))  # one FMA per score
+        alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
@@ -141,10 +157,23 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst, pred=pred)
 
     @gluon.jit
-    def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_ob, stride_oh, stride_om, stride_od,
+    def _block_intervals(Lo, Hi, offs, count, limit, BLOCK: gl.constexpr):
+        """The intervals [lo[i], hi[i]] of a block's rows (rows past ``count``: empty); the blocks of the other side
+        they reach, [first, first + n * BLOCK) (n >= 1, so that a pipeline's first block always arrives; an empty
+        interval masks it whole), and [seen_lo, seen_hi]: what every row's interval holds (blocks inside it need no
+        mask)."""
+        lo = gl.load(Lo + offs, mask=offs < count, other=limit)
+        hi = gl.load(Hi + offs, mask=offs < count, other=-1)
+        first = (gl.minimum(gl.min(lo, 0), limit - 1) // BLOCK) * BLOCK
+        n = gl.maximum(gl.cdiv(gl.minimum(gl.max(hi, 0) + 1, limit) - first, BLOCK), 1)
+        return lo, hi, first, n, gl.max(lo, 0), gl.min(hi, 0)
+
+    @gluon.jit
+    def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, RowLo, RowHi, stride_ob, stride_oh, stride_om, stride_od,
                          H, GROUP, L, S, qk_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, num_warps: gl.constexpr):
+                         EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, INTERVALS: gl.constexpr,
+                         num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -163,10 +192,15 @@ if gluon is not None:
         h = bh % H
         hk = h // GROUP
         q_lo = pid_m * BLOCK_M
-        if CAUSAL:
-            n = gl.cdiv(gl.minimum(q_lo + BLOCK_M, S), BLOCK_N)
+        offs_m = q_lo + gl.arange(0, BLOCK_M, layout=row_s)
+        if INTERVALS:  # key blocks [lo, lo + n * BLOCK_N): those the rows' intervals reach (at least one)
+            row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
         else:
-            n = gl.cdiv(S, BLOCK_N)
+            row_lo, row_hi, lo, seen_lo, seen_hi = offs_m, offs_m, 0, 0, 0
+            if CAUSAL:
+                n = gl.cdiv(gl.minimum(q_lo + BLOCK_M, S), BLOCK_N)
+            else:
+                n = gl.cdiv(S, BLOCK_N)
 
         # the (1, 1, rows, D) tiles the descriptors load, viewed as (rows, D) by the products
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -184,12 +218,11 @@ if gluon is not None:
 
         _load(q_desc, b, h, q_lo, q_bar, q_smem, True)
         for i in gl.static_range(2):
-            _load(k_desc, b, hk, i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
+            _load(k_desc, b, hk, lo + i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
         for i in gl.static_range(V_BUFS):
-            _load(v_desc, b, hk, i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
+            _load(v_desc, b, hk, lo + i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
 
-        offs_m = q_lo + gl.arange(0, BLOCK_M, layout=row_s)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -200,9 +233,9 @@ if gluon is not None:
         s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        _load(k_desc, b, hk, 2 * BLOCK_N, k_bar.index(0), k_smem.index(0), 2 < n)  # K_0 read: its buffer takes K_2
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, q_lo, S, BLOCK_N, CAUSAL, EVEN_S,
-                                           s_layout)
+        _load(k_desc, b, hk, lo + 2 * BLOCK_N, k_bar.index(0), k_smem.index(0), 2 < n)  # K_0 read: takes K_2
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, q_lo, S, row_lo, row_hi, seen_lo,
+                                           seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
         for j in range(1, n):
             buf = j % 2
             prev = (j - 1) % V_BUFS
@@ -213,11 +246,11 @@ if gluon is not None:
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                 v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
-            _load(k_desc, b, hk, (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, q_lo, S, BLOCK_N, CAUSAL,
-                                               EVEN_S, s_layout)
+            _load(k_desc, b, hk, lo + (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, q_lo, S, row_lo,
+                                               row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _load(v_desc, b, hk, (j - 1 + V_BUFS) * BLOCK_N, v_bar.index(prev), v_smem.index(prev),
+            _load(v_desc, b, hk, lo + (j - 1 + V_BUFS) * BLOCK_N, v_bar.index(prev), v_smem.index(prev),
                   j - 1 + V_BUFS < n)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         last = n - 1
@@ -231,9 +264,15 @@ if gluon is not None:
         for i in gl.static_range(V_BUFS):
             mbarrier.invalidate(v_bar.index(i))
 
-        # every row sees at least key 0 (no mask here): l > 0
-        acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        gl.store(Lse + bh.to(gl.int64) * L + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < L)
+        if INTERVALS:  # a row without keys: output 0, logsumexp +inf (as the Triton kernel writes)
+            has_keys = l_i > 0.0
+            l_safe = gl.where(has_keys, l_i, 1.0)
+            acc = acc * gl.expand_dims(gl.convert_layout(gl.where(has_keys, 1.0 / l_safe, 0.0), row_o), 1)
+            lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        else:  # every row sees at least key 0: l > 0
+            acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(Lse + bh.to(gl.int64) * L + offs_m, lse, mask=offs_m < L)
         offs_mo = q_lo + gl.arange(0, BLOCK_M, layout=row_o)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
@@ -278,29 +317,33 @@ def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: boo
 
 
 def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
-                            dk: torch.Tensor, dv: torch.Tensor) -> None:
+                            dk: torch.Tensor, dv: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None
+                            ) -> None:
     """Writes dK, dV (any strides) for q (B, H, L, D), k/v (B, H_kv, S, D); ``lse`` (natural log) and ``delta``
-    (rowsum(dO * O)) fp32 (B, H, L) contiguous; ``qk_scale`` in base-2 units, ``scale`` the softmax scale."""
+    (rowsum(dO * O)) fp32 (B, H, L) contiguous; ``qk_scale`` in base-2 units, ``scale`` the softmax scale;
+    ``intervals`` as ``attention_forward``'s."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m, warps = _DKDV_CONFIGS[D]
     grid = (cdiv(S, block_n), B * H_kv)
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
     _attn_bwd_dkdv_hopper[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        lse, delta, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, num_warps=warps,
+        lse, delta, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
+        qk_scale, scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
+        INTERVALS=intervals is not None, num_warps=warps,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DK, DV,
+    def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DK, DV, RowLo, RowHi, ColLo, ColHi,
                               stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                               stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                               H, GROUP, L, S, qk_scale, scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                              CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, num_warps: gl.constexpr):
         """One key block: S^T = K Q^T and dP^T = V dO^T for each query block (of every query head sharing this
         key head), P^T = exp(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, all in transposed
         (key x query) tiles so that P^T and dS^T feed the next products from registers."""
@@ -319,11 +362,16 @@ if gluon is not None:
         b = bhk // H_KV
         hk = bhk % H_KV
         n0 = pid_n * BLOCK_N
-        if CAUSAL:  # queries before this key block see none of it
-            m_start = (n0 // BLOCK_M) * BLOCK_M
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+        if INTERVALS:  # the query blocks the keys' intervals reach; [seen_lo, seen_hi]: rows every key has
+            _, _, m_start, n_m, seen_lo, seen_hi = _block_intervals(ColLo, ColHi, offs_n, S, L, BLOCK_M)
         else:
-            m_start = 0
-        n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
+            seen_lo, seen_hi = 0, 0
+            if CAUSAL:  # queries before this key block see none of it
+                m_start = (n0 // BLOCK_M) * BLOCK_M
+            else:
+                m_start = 0
+            n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
         total = GROUP * n_m
 
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -350,7 +398,6 @@ if gluon is not None:
         k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
 
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -376,6 +423,13 @@ if gluon is not None:
             if CAUSAL:
                 if m0 < n0 + BLOCK_N:  # only the blocks that cross the diagonal pay for the mask
                     p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+            if INTERVALS:
+                if m0 < seen_lo or m0 + BLOCK_M - 1 > seen_hi:  # query i keeps keys [row_lo[i], row_hi[i]]
+                    row_lo = gl.load(RowLo + offs_m, mask=offs_m < L, other=S)
+                    row_hi = gl.load(RowHi + offs_m, mask=offs_m < L, other=-1)
+                    keep = ((gl.expand_dims(offs_n, 1) >= gl.expand_dims(row_lo, 0))
+                            & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(row_hi, 0)))
+                    p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -415,27 +469,29 @@ dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
 
 def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
-                          dq: torch.Tensor) -> None:
+                          dq: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None) -> None:
     """Writes dQ (any strides); arguments as ``attention_backward_dkdv``'s."""
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n, warps = _DQ_CONFIGS[D]
     grid = (cdiv(L, block_m), B * H)
+    row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     _attn_bwd_dq_hopper[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        lse, delta, dq, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, num_warps=warps,
+        lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
+        num_warps=warps,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ,
+    def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, RowLo, RowHi,
                             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                             H, GROUP, L, S, qk_scale, scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                            CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, num_warps: gl.constexpr):
         """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
         dQ += dS K (dS from registers)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -456,10 +512,15 @@ if gluon is not None:
         h = bh % H
         hk = h // GROUP
         m0 = pid_m * BLOCK_M
-        if CAUSAL:
-            n = gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N)
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+        if INTERVALS:  # key blocks [lo, lo + n * BLOCK_N), as the forward's
+            row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
         else:
-            n = gl.cdiv(S, BLOCK_N)
+            lo = 0
+            if CAUSAL:
+                n = gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N)
+            else:
+                n = gl.cdiv(S, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -478,12 +539,11 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_bar, do_smem)
         for i in gl.static_range(2):
-            _load(k_desc, b, hk, i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
-            _load(v_desc, b, hk, i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
+            _load(k_desc, b, hk, lo + i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
+            _load(v_desc, b, hk, lo + i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
 
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
         # query rows past L: logsumexp +inf, so P = 0 there; key rows past S are zeros in K, adding nothing to dQ
         lse2 = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf")) * 1.4426950408889634
         delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
@@ -505,13 +565,19 @@ if gluon is not None:
                 if j * BLOCK_N + BLOCK_N > m0:  # only the blocks that cross the diagonal pay for the mask
                     offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                     p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
+            if INTERVALS:
+                start_n = lo + j * BLOCK_N
+                if start_n < seen_lo or start_n + BLOCK_N - 1 > seen_hi:
+                    offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=col_s), 0)
+                    p = gl.where((offs_n >= gl.expand_dims(row_lo, 1)) & (offs_n <= gl.expand_dims(row_hi, 1)),
+                                 p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
             # this slot's V is read: it takes block j + 2's
-            _load(v_desc, b, hk, (j + 2) * BLOCK_N, v_bar.index(buf), v_smem.index(buf), j + 2 < n)
+            _load(v_desc, b, hk, lo + (j + 2) * BLOCK_N, v_bar.index(buf), v_smem.index(buf), j + 2 < n)
             ds = p * (dp - gl.expand_dims(delta, 1))
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_tile, dq, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            _load(k_desc, b, hk, (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
+            _load(k_desc, b, hk, lo + (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
         mbarrier.invalidate(qdo_bar)
         for i in gl.static_range(2):
             mbarrier.invalidate(k_bar.index(i))

@@ -939,9 +939,9 @@ def attention_forward(
         lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
         return out, lse
-    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
-    if hopper.enabled and hopper.applies(q, k, v, plain, scale, is_causal):
-        hopper.attention_forward(q, k, v, is_causal, _exponent_scale(q.dtype, scale), out, lse)
+    hopper_ok = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0  # intervals too
+    if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal):
+        hopper.attention_forward(q, k, v, is_causal, _exponent_scale(q.dtype, scale), out, lse, intervals)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
@@ -1019,7 +1019,8 @@ def attention_backward(
     plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, plain, scale, is_causal)
+    hopper_ok = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0  # intervals too
+    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, is_causal)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
@@ -1032,7 +1033,7 @@ def attention_backward(
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if gluon_dkdv:
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
-                                       scale, dk, dv)
+                                       scale, dk, dv, intervals)
     elif need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse, atomic_dq)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
@@ -1047,7 +1048,7 @@ def attention_backward(
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
     elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
-                                     scale, dq)
+                                     scale, dq, intervals)
     elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
