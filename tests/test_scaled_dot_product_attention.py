@@ -1385,6 +1385,56 @@ def test_cuda_window_and_softcap(case, dtype):
     check_window_softcap(case, dtype, device="cuda")
 
 
+def test_hopper_window_as_intervals():
+    """The Hopper kernels take a window (and causality) as per-row key intervals and per-key query intervals: exactly
+    the pairs the window keeps, for one-sided, two-sided, causal windows and L != S (checked on the CPU)."""
+    from fusedlayers.kernels.scaled_dot_product_attention import _hopper_masks
+
+    for L, S in ((7, 7), (5, 9), (9, 5)):
+        for window in ((2, 0), (0, 3), (-1, 2), (3, -1), (1, 1), (0, 0)):
+            for causal in (False, True):
+                i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+                keep = torch.ones(L, S, dtype=torch.bool)
+                if window[0] >= 0:
+                    keep &= j >= i - window[0]
+                if window[1] >= 0:
+                    keep &= j <= i + window[1]
+                if causal:
+                    keep &= j <= i
+                hopper_causal, (row_lo, row_hi, col_lo, col_hi) = _hopper_masks(L, S, causal, window, None, "cpu")
+                assert not hopper_causal
+                rows = (j >= row_lo[:, None].long()) & (j <= row_hi[:, None].long())
+                cols = (i >= col_lo[None, :].long()) & (i <= col_hi[None, :].long())
+                assert torch.equal(rows, keep) and torch.equal(cols, keep), (L, S, window, causal)
+
+
+# head dims 64 and 128, sequences longer than the Hopper kernels' blocks
+HOPPER_WINDOW_CASES = [
+    (1, 4, 2, 300, 300, 128, True, None, (70, 0), 0.0),
+    (2, 2, 2, 257, 200, 64, False, None, (60, 45), 0.0),  # L > S
+    (1, 2, 1, 190, 260, 128, False, None, (-1, 30), 0.0),
+    (1, 2, 2, 200, 200, 64, True, None, (20, -1), 0.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}w{c[8][0]},{c[8][1]}")
+def test_cuda_hopper_window(case, dtype, monkeypatch):
+    """On Hopper a window runs the Gluon kernels (as key intervals), forward, dK/dV and dQ."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
+    calls = []
+    for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
+        kernel = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
+    check_window_softcap(case, dtype, device="cuda")
+    assert {"attention_forward", "attention_backward_dkdv", "attention_backward_dq"} <= set(calls)
+
+
 DEVICE_BACKENDS = [("cpu", "reference"),
                    pytest.param("cpu", "triton",
                                 marks=pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1")),

@@ -14,9 +14,10 @@ Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 20
 h*-scaled_dot_product_attention.md): forward 1.00-1.19x, forward+backward 1.00-1.38x (D128 at L >= 4096 1.18-1.38x,
 H100 and H200). cuDNN is still ahead: forward 0.86-0.97x of it, forward+backward 0.75-0.86x (D 64/128, L >= 2048).
 
-They cover the plain call only: fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout, window, softcap
-or packed sequences, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim contiguous,
-other strides and the base 16-byte aligned), calls of at least MIN_FLOPS, and for dK/dV at D64 only not causal.
+They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout or softcap, a positive scale, inputs (and
+the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
+of at least MIN_FLOPS, and for dK/dV at D64 only not causal. Windows and packed sequences (fl.varlen_attention) come
+as per-row key intervals: the key blocks no row of a query block reaches are skipped, the edge blocks masked.
 Everything else, other GPUs and the interpreter run the Triton kernels, whose logsumexp this forward writes in the
 same units (natural log, fp32), so either backward takes either forward's output as is.
 """
@@ -60,8 +61,8 @@ MIN_FLOPS = 2**37
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool) -> bool:
-    """Whether this kernel runs the call: ``plain`` = no mask, dropout, window or softcap (packed sequences' key
-    intervals are taken)."""
+    """Whether this kernel runs the call: ``plain`` = no mask, dropout or softcap (windows and packed sequences come
+    as key intervals)."""
     if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -289,6 +290,10 @@ if gluon is not None:
 # causal L = 1024 shapes below it); D64 1.01-1.06x not causal, 0.75-1.02x causal, so D64 causal stays Triton's. A
 # software-pipelined variant (the next block's S^T issued behind this block's dK product) was 0.92-0.95x of this one.
 _DKDV_CONFIGS = {64: (64, 64, 4), 128: (128, 64, 8)}
+# with key intervals (packed documents, windows) smaller key blocks waste less at the edges: at D128 64 x 64 tiles,
+# 4 warps, were 1.06-1.15x the dense tiles forward+backward (H100, documents of 64-4096 tokens, windows 1024 and 4096
+# over 16K, three interleaved rounds); at D64 64 x 32 was within 2.5% either way
+_DKDV_INTERVAL_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
@@ -324,7 +329,7 @@ def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_s
     ``intervals`` as ``attention_forward``'s."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    block_n, block_m, warps = _DKDV_CONFIGS[D]
+    block_n, block_m, warps = (_DKDV_CONFIGS if intervals is None else _DKDV_INTERVAL_CONFIGS)[D]
     grid = (cdiv(S, block_n), B * H_kv)
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
     _attn_bwd_dkdv_hopper[grid](

@@ -911,6 +911,25 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
+def _hopper_masks(L: int, S: int, is_causal: bool, window: tuple[int, int], intervals: tuple | None,
+                  device: torch.device) -> tuple[bool, tuple | None]:
+    """(causal, intervals) for the Hopper kernels, which take a window as per-row key intervals: row i keeps keys
+    [i - left, i + right] (and <= i if causal) within [0, S), key j is kept by rows [j - right (j if causal), j + left]
+    within [0, L); -1 is unbounded. The same for every batch and head."""
+    if tuple(window) == (-1, -1):
+        return is_causal, intervals
+    left, right = window
+    i = torch.arange(L, dtype=torch.int32, device=device)
+    j = torch.arange(S, dtype=torch.int32, device=device)
+    row_lo = (i - left).clamp_min(0) if left >= 0 else torch.zeros_like(i)
+    row_hi = i + right if right >= 0 else torch.full_like(i, S - 1)
+    col_lo = (j - right).clamp_min(0) if right >= 0 else torch.zeros_like(j)
+    col_hi = j + left if left >= 0 else torch.full_like(j, L - 1)
+    if is_causal:
+        row_hi, col_lo = torch.minimum(row_hi, i), torch.maximum(col_lo, j)
+    return False, (row_lo, row_hi.clamp_max(S - 1), col_lo, col_hi.clamp_max(L - 1))
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
@@ -939,9 +958,10 @@ def attention_forward(
         lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
         return out, lse
-    hopper_ok = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0  # intervals too
+    hopper_ok = mask is None and dropout is None and softcap <= 0.0
     if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal):
-        hopper.attention_forward(q, k, v, is_causal, _exponent_scale(q.dtype, scale), out, lse, intervals)
+        causal, intervals = _hopper_masks(L, S, is_causal, window, intervals, q.device)
+        hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
@@ -1019,8 +1039,11 @@ def attention_backward(
     plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    hopper_ok = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0  # intervals too
-    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, is_causal)
+    hopper_ok = mask is None and dropout is None and softcap <= 0.0
+    hopper_causal, hopper_intervals = is_causal and tuple(window) == (-1, -1), intervals
+    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal)
+    if hopper_dkdv or hopper_dq:
+        hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
@@ -1032,8 +1055,8 @@ def attention_backward(
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if gluon_dkdv:
-        hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
-                                       scale, dk, dv, intervals)
+        hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal,
+                                       _exponent_scale(q.dtype, scale), scale, dk, dv, hopper_intervals)
     elif need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse, atomic_dq)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
@@ -1047,8 +1070,8 @@ def attention_backward(
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
     elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
-        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal, _exponent_scale(q.dtype, scale),
-                                     scale, dq, intervals)
+        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, _exponent_scale(q.dtype, scale),
+                                     scale, dq, hopper_intervals)
     elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
