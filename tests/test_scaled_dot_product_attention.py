@@ -1408,6 +1408,18 @@ def test_hopper_window_as_intervals():
                 assert torch.equal(rows, keep) and torch.equal(cols, keep), (L, S, window, causal)
 
 
+def test_hopper_takes_windows_from_its_minimum_width():
+    """Windows narrower than HOPPER_MIN_WINDOW keys per row stay on the Triton kernels (measured faster there)."""
+    from fusedlayers.kernels.scaled_dot_product_attention import HOPPER_MIN_WINDOW, _hopper_window_pays
+
+    w = HOPPER_MIN_WINDOW
+    assert _hopper_window_pays((-1, -1), True) and _hopper_window_pays((-1, 0), False)
+    assert _hopper_window_pays((w - 1, 0), True) and not _hopper_window_pays((w - 2, 0), True)
+    assert not _hopper_window_pays((w - 2, 5), True)  # causal: the right side adds no keys
+    assert _hopper_window_pays((w // 2, w // 2), False) and not _hopper_window_pays((w // 4, w // 4), False)
+    assert _hopper_window_pays((10, -1), False) and not _hopper_window_pays((10, -1), True)
+
+
 # head dims 64 and 128, sequences longer than the Hopper kernels' blocks
 HOPPER_WINDOW_CASES = [
     (1, 4, 2, 300, 300, 128, True, None, (70, 0), 0.0),
@@ -1425,8 +1437,10 @@ def test_cuda_hopper_window(case, dtype, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as attn_kernels
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
+    monkeypatch.setattr(attn_kernels, "HOPPER_MIN_WINDOW", 0)  # and these windows narrower
     calls = []
     for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
         kernel = getattr(hopper, name)
