@@ -982,8 +982,6 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- rotary position embedding
 
 
-
-
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotary position embedding of q and k, equal to transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``
     (rotate-half convention): ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.

@@ -158,6 +158,30 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst, pred=pred)
 
     @gluon.jit
+    def _query_block(RowLo, RowHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     INTERVALS: gl.constexpr, row_layout: gl.constexpr):
+        """A query-block program's (bh, b, h, hk, first row m0, rows offs_m) and the key blocks it visits: [lo, lo +
+        n * BLOCK_N), and with INTERVALS the rows' intervals and the keys every row keeps (``_block_intervals``).
+        Causal programs take the longest rows first: the short ones fill the last wave."""
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        else:
+            pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        h = bh % H
+        m0 = pid_m * BLOCK_M
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        if INTERVALS:
+            row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
+        else:
+            row_lo, row_hi, lo, seen_lo, seen_hi = offs_m, offs_m, 0, 0, 0
+            if CAUSAL:
+                n = gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N)
+            else:
+                n = gl.cdiv(S, BLOCK_N)
+        return bh, bh // H, h, h // GROUP, m0, offs_m, row_lo, row_hi, lo, n, seen_lo, seen_hi
+
+    @gluon.jit
     def _block_intervals(Lo, Hi, offs, count, limit, BLOCK: gl.constexpr):
         """The intervals [lo[i], hi[i]] of a block's rows (rows past ``count``: empty); the blocks of the other side
         they reach, [first, first + n * BLOCK) (n >= 1, so that a pipeline's first block always arrives; an empty
@@ -184,24 +208,8 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        if CAUSAL:  # the longest rows first: the short ones fill the last wave
-            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        else:
-            pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // GROUP
-        q_lo = pid_m * BLOCK_M
-        offs_m = q_lo + gl.arange(0, BLOCK_M, layout=row_s)
-        if INTERVALS:  # key blocks [lo, lo + n * BLOCK_N): those the rows' intervals reach (at least one)
-            row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
-        else:
-            row_lo, row_hi, lo, seen_lo, seen_hi = offs_m, offs_m, 0, 0, 0
-            if CAUSAL:
-                n = gl.cdiv(gl.minimum(q_lo + BLOCK_M, S), BLOCK_N)
-            else:
-                n = gl.cdiv(S, BLOCK_N)
+        bh, b, h, hk, q_lo, offs_m, row_lo, row_hi, lo, n, seen_lo, seen_hi = _query_block(
+            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, row_s)
 
         # the (1, 1, rows, D) tiles the descriptors load, viewed as (rows, D) by the products
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -508,24 +516,8 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-        if CAUSAL:  # the longest rows first: the short ones fill the last wave
-            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        else:
-            pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // GROUP
-        m0 = pid_m * BLOCK_M
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-        if INTERVALS:  # key blocks [lo, lo + n * BLOCK_N), as the forward's
-            row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
-        else:
-            lo = 0
-            if CAUSAL:
-                n = gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N)
-            else:
-                n = gl.cdiv(S, BLOCK_N)
+        bh, b, h, hk, m0, offs_m, row_lo, row_hi, lo, n, seen_lo, seen_hi = _query_block(
+            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, row_s)
 
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
