@@ -1408,16 +1408,23 @@ def test_hopper_window_as_intervals():
                 assert torch.equal(rows, keep) and torch.equal(cols, keep), (L, S, window, causal)
 
 
-def test_hopper_takes_windows_from_its_minimum_width():
-    """Windows narrower than HOPPER_MIN_WINDOW keys per row stay on the Triton kernels (measured faster there)."""
-    from fusedlayers.kernels.scaled_dot_product_attention import HOPPER_MIN_WINDOW, _hopper_window_pays
+def test_hopper_kernels_size_a_call_by_the_keys_a_row_attends():
+    """The Hopper kernels' MIN_FLOPS counts the keys a row attends: all (half when causal) without a window, the
+    window's width with one, and for packed sequences (fl.varlen_attention) the longest sequence's keys or the window:
+    a narrow window over a long row is a small call (measured slower on the Gluon kernels)."""
+    from fusedlayers.functional import _keys_per_row
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels.scaled_dot_product_attention import _window_keys_per_row
 
-    w = HOPPER_MIN_WINDOW
-    assert _hopper_window_pays((-1, -1), True) and _hopper_window_pays((-1, 0), False)
-    assert _hopper_window_pays((w - 1, 0), True) and not _hopper_window_pays((w - 2, 0), True)
-    assert not _hopper_window_pays((w - 2, 5), True)  # causal: the right side adds no keys
-    assert _hopper_window_pays((w // 2, w // 2), False) and not _hopper_window_pays((w // 4, w // 4), False)
-    assert _hopper_window_pays((10, -1), False) and not _hopper_window_pays((10, -1), True)
+    assert _window_keys_per_row(4096, True, (-1, -1)) is None
+    assert _window_keys_per_row(4096, True, (255, 0)) == _window_keys_per_row(4096, True, (255, 9)) == 256
+    assert _window_keys_per_row(4096, False, (255, 10)) == 266 and _window_keys_per_row(100, False, (255, 10)) == 100
+    assert _window_keys_per_row(4096, False, (10, -1)) == 4096 and _window_keys_per_row(4096, True, (-1, 3)) == 4096
+    assert _keys_per_row(2048, True, (-1, -1)) == 1024 and _keys_per_row(2048, False, (-1, -1)) == 2048
+    assert _keys_per_row(2048, True, (511, 0)) == 512 and _keys_per_row(300, False, (511, 7)) == 300
+    q = torch.empty(2, 8, 4096, 128)
+    assert hopper._flops(q, q, True, None) == hopper._flops(q, q, False, 2048) == 4 * 2 * 8 * 4096 * 128 * 2048
+    assert hopper._flops(q, q, True, 256.0) == 4 * 2 * 8 * 4096 * 128 * 256
 
 
 # head dims 64 and 128, sequences longer than the Hopper kernels' blocks
@@ -1437,10 +1444,8 @@ def test_cuda_hopper_window(case, dtype, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
-    from fusedlayers.kernels import scaled_dot_product_attention as attn_kernels
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
-    monkeypatch.setattr(attn_kernels, "HOPPER_MIN_WINDOW", 0)  # and these windows narrower
     calls = []
     for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
         kernel = getattr(hopper, name)

@@ -127,7 +127,7 @@ def test_op_checks_and_compile():
 
     lens = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
     intervals = _varlen_intervals(cu_q.long(), cu_k.long(), *lens, True, (-1, -1), q.shape[0], k.shape[0])
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *intervals, None, 0.0, 0.35, 0.0)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *intervals, None, 0.0, 0.35, 0.0, 5.5)
     torch.library.opcheck(torch.ops.fusedlayers.varlen_attention, args)
 
     def f(q_, k_, v_):

@@ -60,23 +60,36 @@ _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64
 MIN_FLOPS = 2**37
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool) -> bool:
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool,
+            keys_per_row: float | None = None) -> bool:
     """Whether this kernel runs the call: ``plain`` = no mask, dropout or softcap (windows and packed sequences come
-    as key intervals)."""
+    as key intervals); ``keys_per_row``: with intervals, about how many keys a row attends (else all, or half when
+    causal)."""
     if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    B, H, L, D = q.shape
     if k.shape[2] == 0:  # no keys: the kernel would wait for a first K block that never comes
         return False
-    if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
+    if _flops(q, k, is_causal, keys_per_row) < MIN_FLOPS:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return False
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
     return all(_tma_compatible(t) for t in (q, k, v))
+
+
+def _flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool, keys_per_row: float | None) -> float:
+    """The forward's flops, 4 * B * H * L * D per key a row attends: MIN_FLOPS's measure. Packed short sequences and
+    narrow windows are small calls however long the packed row: forward+backward against the Triton kernels (H200,
+    16K tokens, H * D = 2048, where MIN_FLOPS is 1024 keys a row) they were 0.57-0.91x at 64-257 keys a row
+    (documents of 128 and 512, window 256), 0.94x (D64) and 1.17x (D128) at 512 (documents of 1024), 1.10-1.39x at
+    513 (window 512), 1.06-1.31x from 1025 up (windows 1024 and 4096, the benchmark's mix of 70-2663 tokens)."""
+    B, H, L, D = q.shape
+    if keys_per_row is None:
+        keys_per_row = k.shape[2] / (2 if is_causal else 1)
+    return 4.0 * B * H * L * D * keys_per_row
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
@@ -305,7 +318,8 @@ _DKDV_INTERVAL_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
-def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> bool:
+def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool,
+                      keys_per_row: float | None = None) -> bool:
     """As ``applies`` (grad_out too in TMA's reach)."""
     if gluon is None or not enabled or not plain or scale <= 0.0 or not q.is_cuda:
         return False
@@ -315,16 +329,17 @@ def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: b
         return False
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
-    B, H, L, D = q.shape
-    if 4 * B * H * L * k.shape[2] * D // (2 if is_causal else 1) < MIN_FLOPS:
+    if _flops(q, k, is_causal, keys_per_row) < MIN_FLOPS:
         return False
     return all(_tma_compatible(t) for t in (q, k, v, grad_out))
 
 
-def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool) -> tuple[bool, bool]:
+def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: bool,
+                    keys_per_row: float | None = None) -> tuple[bool, bool]:
     """(dK/dV, dQ): which backward passes run here, each where it measured faster (``_DKDV_CONFIGS``,
     ``_DQ_CONFIGS``); the shared checks run once per backward."""
-    if not (backward_enabled or dq_enabled) or not _backward_applies(q, k, v, grad_out, plain, scale, is_causal):
+    if not (backward_enabled or dq_enabled) or not _backward_applies(q, k, v, grad_out, plain, scale, is_causal,
+                                                                      keys_per_row):
         return False, False
     return backward_enabled and not (q.shape[-1] == 64 and is_causal), dq_enabled
 

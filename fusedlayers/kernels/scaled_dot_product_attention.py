@@ -912,17 +912,13 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
-# The Hopper kernels take a window from this many keys per row up. Narrower windows leave their pipelines too short:
-# forward+backward against the Triton window path (H200, bf16, B*L = 16384, causal, window (left, 0), 4 interleaved
-# rounds): left 256 0.63-0.74x, 1024 1.06-1.20x, 4096 1.14-1.31x.
-HOPPER_MIN_WINDOW = 1024
-
-
-def _hopper_window_pays(window: tuple[int, int], is_causal: bool) -> bool:
-    left, right = window
-    if left < 0 or (right < 0 and not is_causal):
-        return True  # unbounded on a side that counts
-    return left + 1 + (0 if is_causal else right) >= HOPPER_MIN_WINDOW
+def _window_keys_per_row(S: int, is_causal: bool, window: tuple[int, int]) -> float | None:
+    """The keys a query row attends under a window (at most), which sizes the call for the Hopper kernels' MIN_FLOPS;
+    None without a window (they count L x S, halved when causal)."""
+    if tuple(window) == (-1, -1):
+        return None
+    left, right = (S if w < 0 else w for w in window)
+    return float(min(S, left + 1 + (0 if is_causal else right)))
 
 
 def _hopper_masks(L: int, S: int, is_causal: bool, window: tuple[int, int], intervals: tuple | None,
@@ -953,7 +949,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     dropout: tuple[int, int, int, float] | None, is_causal: bool, scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0, intervals: tuple[torch.Tensor, ...] | None = None,
+    softcap: float = 0.0, intervals: tuple[torch.Tensor, ...] | None = None, keys_per_row: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (B, H, L, Dv) in q's dtype and logsumexp (B, H, L) (+inf for fully-masked rows), float64 for
     fp32 inputs (m + log(l) unrounded), fp32 for 16-bit ones.
@@ -966,7 +962,8 @@ def attention_forward(
     ``fusedlayers.functional.scaled_dot_product_attention``'s; key blocks outside the window are skipped.
     ``intervals``: (row_lo, row_hi, col_lo, col_hi) int32: query row i attends keys [row_lo[i], row_hi[i]] only
     (packed variable-length sequences, ``fusedlayers.ops.varlen_attention``), key j is attended by queries
-    [col_lo[j], col_hi[j]]; blocks outside are skipped.
+    [col_lo[j], col_hi[j]]; blocks outside are skipped. ``keys_per_row``: about how many keys a row attends, with
+    intervals (the call's size for the choice of the Hopper kernels; from the window if None).
     """
     B, H, L, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -977,8 +974,10 @@ def attention_forward(
         lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
         return out, lse
-    hopper_ok = mask is None and dropout is None and softcap <= 0.0 and _hopper_window_pays(window, is_causal)
-    if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal):
+    hopper_ok = mask is None and dropout is None and softcap <= 0.0
+    if keys_per_row is None:
+        keys_per_row = _window_keys_per_row(S, is_causal, window)
+    if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal, keys_per_row):
         causal, intervals = _hopper_masks(L, S, is_causal, window, intervals, q.device)
         hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals)
         return out, lse
@@ -1008,7 +1007,7 @@ def attention_backward(
     lse: torch.Tensor, mask: torch.Tensor | None, dropout: tuple[int, int, int, float] | None,
     is_causal: bool, scale: float, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
     ds: torch.Tensor | None, exact_delta: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    intervals: tuple[torch.Tensor, ...] | None = None,
+    intervals: tuple[torch.Tensor, ...] | None = None, keys_per_row: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Writes the gradients asked for into ``dq``, ``dk``, ``dv`` (any strides, shapes and dtypes of q, k,
     v) and ``ds`` (d(loss)/d(scores), (B, H, L, S) fp32 contiguous, for a float mask's gradient); None for
@@ -1058,9 +1057,11 @@ def attention_backward(
     plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    hopper_ok = mask is None and dropout is None and softcap <= 0.0 and _hopper_window_pays(window, is_causal)
+    hopper_ok = mask is None and dropout is None and softcap <= 0.0
+    if keys_per_row is None:
+        keys_per_row = _window_keys_per_row(S, is_causal, window)
     hopper_causal, hopper_intervals = is_causal and tuple(window) == (-1, -1), intervals
-    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal)
+    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal, keys_per_row)
     if hopper_dkdv or hopper_dq:
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv

@@ -5,12 +5,14 @@ Sequences of different lengths packed one after another without padding, FlashAt
 layout: query (total_q, H, D), key (total_k, H_kv, D), value (total_k, H_kv, Dv). ``fusedlayers.functional.
 varlen_attention`` turns the cumulative lengths (and causal / window) into key intervals and calls:
 
-- ``varlen_attention(query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap)
-  -> (out (total_q, H, Dv), lse (H, total_q))``: query row i attends keys [row_lo[i], row_hi[i]] (int32; an empty
-  interval gives a zero row), key j is attended by queries [col_lo[j], col_hi[j]] (the same relation, seen from the
-  keys: the backward's dK/dV kernel visits only those query blocks).
+- ``varlen_attention(query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap,
+  keys_per_row) -> (out (total_q, H, Dv), lse (H, total_q))``: query row i attends keys [row_lo[i], row_hi[i]]
+  (int32; an empty interval gives a zero row), key j is attended by queries [col_lo[j], col_hi[j]] (the same
+  relation, seen from the keys: the backward's dK/dV kernel visits only those query blocks); ``keys_per_row``: an
+  estimate of the keys a row attends (from the lengths and window, without reading the intervals), which sizes the
+  call for the choice of kernels.
 - ``varlen_attention_backward(grad_out, query, key, value, out, lse, row_lo, row_hi, col_lo, col_hi, seed,
-  dropout_p, scale, softcap, need_dq, need_dk, need_dv) -> (dq, dk, dv)``.
+  dropout_p, scale, softcap, keys_per_row, need_dq, need_dk, need_dv) -> (dq, dk, dv)``.
 
 ``fusedlayers.kernels.varlen_attention`` runs them on the attention kernels' INTERVALS mode (the packed tensors seen
 as one batch row of total_q queries and total_k keys, through strides, never copied), blocks no row's interval
@@ -148,7 +150,7 @@ def _new_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
 @custom_op("fusedlayers::varlen_attention")
 def varlen_attention(
     query: Tensor, key: Tensor, value: Tensor, row_lo: Tensor, row_hi: Tensor, col_lo: Tensor, col_hi: Tensor,
-    seed: Tensor | None, dropout_p: float, scale: float, softcap: float,
+    seed: Tensor | None, dropout_p: float, scale: float, softcap: float, keys_per_row: float,
 ) -> tuple[Tensor, Tensor]:
     out, lse = _new_outputs(query, value)
     if out.numel() == 0:
@@ -157,7 +159,7 @@ def varlen_attention(
         return out.zero_(), lse.fill_(float("inf"))
     if _run_kernel(query, value):
         kernels.varlen_attention_forward(query, key, value, (row_lo, row_hi, col_lo, col_hi), _drop(seed, dropout_p),
-                                         scale, softcap, out, lse)
+                                         scale, softcap, out, lse, keys_per_row)
         return out, lse
     chunks = _chunks(row_lo, row_hi, query, key, value)
     lse_rows = lse.T  # (total_q, H) view: written through
@@ -175,26 +177,27 @@ def varlen_attention(
 
 
 @varlen_attention.register_fake
-def _(query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap):
+def _(query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap, keys_per_row):
     return _new_outputs(query, value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap = inputs
+    query, key, value, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap, keys_per_row = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.dropout_p, ctx.scale, ctx.softcap = dropout_p, scale, softcap
+    ctx.dropout_p, ctx.scale, ctx.softcap, ctx.keys_per_row = dropout_p, scale, softcap, keys_per_row
     ctx.save_for_backward(query, key, value, out, lse, row_lo, row_hi, col_lo, col_hi, seed)
 
 
 def _autograd(ctx, grad_out, _grad_lse):
     query, key, value, out, lse, row_lo, row_hi, col_lo, col_hi, seed = ctx.saved_tensors
     need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
-    nones = (None,) * 8
+    nones = (None,) * 9
     if not (need_dq or need_dk or need_dv):
         return None, None, None, *nones
     dq, dk, dv = call(varlen_attention_backward, grad_out, query, key, value, out, lse, row_lo, row_hi, col_lo,
-                      col_hi, seed, ctx.dropout_p, ctx.scale, ctx.softcap, need_dq, need_dk, need_dv)
+                      col_hi, seed, ctx.dropout_p, ctx.scale, ctx.softcap, ctx.keys_per_row, need_dq, need_dk,
+                      need_dv)
     return dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, *nones
 
 
@@ -210,7 +213,7 @@ def _new_grads(query, key, value, need_dq, need_dk, need_dv):
 def varlen_attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, row_lo: Tensor,
     row_hi: Tensor, col_lo: Tensor, col_hi: Tensor, seed: Tensor | None, dropout_p: float, scale: float,
-    softcap: float, need_dq: bool, need_dk: bool, need_dv: bool,
+    softcap: float, keys_per_row: float, need_dq: bool, need_dk: bool, need_dv: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _new_grads(query, key, value, need_dq, need_dk, need_dv)
     if query.shape[0] == 0 or key.shape[0] == 0 or query.shape[1] == 0:  # nothing attends: zero gradients
@@ -218,7 +221,7 @@ def varlen_attention_backward(
     if _run_kernel(query, value):
         kernels.varlen_attention_backward(grad_out, query, key, value, out, lse, (row_lo, row_hi, col_lo, col_hi),
                                           _drop(seed, dropout_p), scale, softcap, dq if need_dq else None,
-                                          dk if need_dk else None, dv if need_dv else None)
+                                          dk if need_dk else None, dv if need_dv else None, keys_per_row)
         return dq, dk, dv
     for t in (dq, dk, dv):
         t.zero_()
@@ -243,5 +246,5 @@ def varlen_attention_backward(
 
 @varlen_attention_backward.register_fake
 def _(grad_out, query, key, value, out, lse, row_lo, row_hi, col_lo, col_hi, seed, dropout_p, scale, softcap,
-      need_dq, need_dk, need_dv):
+      keys_per_row, need_dq, need_dk, need_dv):
     return _new_grads(query, key, value, need_dq, need_dk, need_dv)
