@@ -1441,17 +1441,27 @@ HOPPER_WINDOW_CASES = [
 @pytest.mark.parametrize("case", HOPPER_WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}w{c[8][0]},{c[8][1]}")
 def test_cuda_hopper_window(case, dtype, monkeypatch):
     """On Hopper a window runs the Gluon kernels (as key intervals), forward, dK/dV and dQ."""
+    calls = gluon_kernel_calls(monkeypatch)
+    check_window_softcap(case, dtype, device="cuda")
+    assert set(calls) == set(GLUON_KERNELS)
+
+
+GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
+
+
+def gluon_kernel_calls(monkeypatch) -> list[str]:
+    """The Hopper (Gluon) kernels called from now on, by launcher name, with MIN_FLOPS off (test shapes are small);
+    skips the test on other GPUs."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
     calls = []
-    for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
+    for name in GLUON_KERNELS:
         kernel = getattr(hopper, name)
         monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
-    check_window_softcap(case, dtype, device="cuda")
-    assert {"attention_forward", "attention_backward_dkdv", "attention_backward_dq"} <= set(calls)
+    return calls
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),

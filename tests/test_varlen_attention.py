@@ -13,7 +13,7 @@ import torch
 
 import fusedlayers as fl
 from tests.parity import assert_parity
-from tests.test_scaled_dot_product_attention import BACKENDS
+from tests.test_scaled_dot_product_attention import BACKENDS, GLUON_KERNELS, gluon_kernel_calls
 
 
 def per_sequence(q, k, v, cu_q, cu_k, causal=False, window=(-1, -1), softcap=0.0):
@@ -206,17 +206,9 @@ HOPPER_CASES = [
 def test_cuda_hopper_kernels(case, dtype, monkeypatch):
     """On Hopper the Gluon kernels run packed sequences and windows (as per-row key intervals), forward, dK/dV and dQ:
     each ran, and the parity rule holds."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
-    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
-
-    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
-    calls = []
-    for name in ("attention_forward", "attention_backward_dkdv", "attention_backward_dq"):
-        kernel = getattr(hopper, name)
-        monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
+    calls = gluon_kernel_calls(monkeypatch)
     check(case, dtype, device="cuda")
-    assert set(calls) == {"attention_forward", "attention_backward_dkdv", "attention_backward_dq"}
+    assert set(calls) == set(GLUON_KERNELS)
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])
