@@ -1511,20 +1511,30 @@ def test_wide_head_dim_configs_only_where_both_widths_are_wide():
 # (B, H, H_kv, L, S, D, causal): the Hopper (Gluon) forward's tile configs, with ragged L and S (TMA zero-fill past
 # the end, the last key block masked), L != S both ways, GQA
 HOPPER_CASES = [
-    (2, 4, 4, 1000, 1000, 128, False),  # 64 x 128 tiles, one-deep V ring
+    (2, 4, 4, 1000, 1000, 128, False),  # warp-specialized, persistent: fewer tiles than SMs
     (2, 4, 4, 333, 777, 64, False),
-    (1, 8, 2, 1000, 1000, 128, True),
-    (1, 4, 4, 1000, 600, 64, True),  # rows past S see every key
+    (1, 8, 2, 1000, 1000, 128, True),  # warp-specialized, one program a tile, GQA
+    (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
+]
+# the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
+# causal D64 from WS_MIN_CAUSAL_D64_KEYS keys up with L < S (tiles of one or two key blocks, a consumer whose rows
+# end a block before its partner's)
+HOPPER_WS_CASES = [
+    (4, 8, 8, 1100, 1100, 128, False),
+    (3, 8, 4, 1000, 700, 64, False),
+    (1, 2, 1, 300, 8200, 64, True),
 ]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
-@pytest.mark.parametrize("case", HOPPER_CASES, ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_CASES])
+@pytest.mark.parametrize("case", HOPPER_CASES + HOPPER_WS_CASES,
+                         ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_CASES + HOPPER_WS_CASES])
 def test_cuda_hopper_forward(case, layout, monkeypatch):
-    """On an H100/H200 the plain bf16 forward runs the Gluon kernel (kernels/_scaled_dot_product_attention_hopper.py),
-    the backward the Triton kernels on its logsumexp: parity of the output and every gradient, for q/k/v laid out as
-    (B, H, T, D) and as models make them, (B, T, H, D) memory seen through a transpose."""
+    """On an H100/H200 the plain bf16 forward runs a Gluon kernel (kernels/_scaled_dot_product_attention_hopper.py),
+    the warp-specialized one except for short causal D64, the backward on its logsumexp: parity of the output and
+    every gradient, for q/k/v laid out as (B, H, T, D) and as models make them, (B, T, H, D) memory seen through a
+    transpose."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where it takes over
@@ -1532,9 +1542,36 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.bfloat16, device="cuda")
     if layout == "bthd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    if torch.cuda.get_device_capability()[0] == 9:
-        assert hopper.applies(q, k, v, True, D**-0.5, causal)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    assert hopper.applies(q, k, v, True, D**-0.5, causal)
+    ws_calls = []
+    ws = hopper._forward_warp_specialized
+    monkeypatch.setattr(hopper, "_forward_warp_specialized", lambda *a, **kw: (ws_calls.append(a), ws(*a, **kw)))
     check_parity(q, k, v, None, causal)
+    assert bool(ws_calls) == (not (D == 64 and causal and S < hopper.WS_MIN_CAUSAL_D64_KEYS))
+
+
+def test_hopper_warp_specialized_forward_routing(monkeypatch):
+    """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
+    at D64/D128 with its per-shape config, not short causal D64, not key intervals (windows, packed sequences), not an
+    output the TMA cannot store to, nor with the switch off."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    def route(d, causal, s=4096, out=None, intervals=None):
+        q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
+        k = torch.empty(1, 2, s, d, dtype=torch.bfloat16)
+        return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals)
+
+    configs = hopper._WS_CONFIGS
+    assert route(128, False) == configs[(128, False)] and route(128, True) == configs[(128, True)]
+    assert route(64, False) == configs[(64, False)]
+    assert route(64, True) is None and route(64, True, s=hopper.WS_MIN_CAUSAL_D64_KEYS) == configs[(64, True)]
+    assert route(128, False, intervals=(torch.empty(0),) * 4) is None
+    misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
+    assert route(128, False, out=misaligned) is None
+    monkeypatch.setattr(hopper, "ws_enabled", False)
+    assert route(128, False) is None
 
 
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [

@@ -120,6 +120,10 @@ def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tens
     """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32; +inf for a row without keys) for q (B, H, L, D),
     k/v (B, H_kv, S, D); ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's
     ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1."""
+    ws = _warp_specialized(q, k, is_causal, out, intervals)
+    if ws is not None:
+        _forward_warp_specialized(q, k, v, is_causal, qk_scale, out, lse, *ws)
+        return
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n, v_bufs = _CONFIGS[(D, is_causal or intervals is not None)]
@@ -300,6 +304,215 @@ if gluon is not None:
         ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                 + gl.expand_dims(offs_mo, 1) * stride_om + gl.expand_dims(offs_d, 0) * stride_od)
         gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(offs_mo < L, 1))
+
+
+# ----------------------------------------------------------------------------- forward, warp-specialized
+
+# Dense calls (no key intervals) whose output the TMA can store run this forward: a program is three warpgroups, a
+# producer issuing every TMA load and two consumers of 64 query rows each that share every K/V tile (half the shared
+# memory traffic of two 64-row programs), with the intra-warpgroup overlap above; the producer hands its registers to
+# the consumers (setmaxnreg). Persistent programs (one per SM looping over tiles) load the next tile while the
+# consumers finish this one. (K/V ring depth, persistent) per (head dim, causal): the fastest of the variants on an
+# H200 (bf16, B*L = 16384, H*D = 2048, L 2K-16K; .gpu-style A/B in benchmarks/results/h100-attention-experiments.md):
+# causal stays non-persistent (statically dealt tiles of unequal length left SMs idle: 0.71x at L = 16K).
+_WS_CONFIGS = {(64, False): (3, True), (64, True): (2, False), (128, False): (2, True), (128, True): (2, False)}
+# Causal D64 keeps the 64 x 64 tiles above below this many keys (2K: 0.90x, 4K: 1.00x, 16K: 1.08x of them): the
+# 128-key blocks mask more of the diagonal where a short causal row has few blocks.
+WS_MIN_CAUSAL_D64_KEYS = 8192
+ws_enabled = True  # False: the forward above for every call (A/B timing)
+
+
+def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
+                      intervals: tuple | None) -> tuple[int, bool] | None:
+    """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs."""
+    D, S = q.shape[-1], k.shape[2]
+    if not ws_enabled or intervals is not None or not _tma_compatible(out):
+        return None
+    if D == 64 and is_causal and S < WS_MIN_CAUSAL_D64_KEYS:
+        return None
+    return _WS_CONFIGS[(D, is_causal)]
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                              stages: int, persistent: bool) -> None:
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    block_m, block_n = 64, 128
+    num_m = cdiv(L, 2 * block_m)
+    num_tiles = num_m * B * H
+    grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
+    _attn_fwd_ws[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
+        num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=is_causal, EVEN_S=S % block_n == 0, STAGES=stages, num_warps=4,
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _ws_tile(t, num_m, S, H, GROUP, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Tile t's (b*H + h, b, h, key/value head, first row, key blocks): the tiles of one (batch, head) are
+        consecutive (programs running together share its K/V in L2), the longest causal rows first."""
+        bh = t // num_m
+        pid_m = t % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m
+        q_lo = pid_m * BLOCK
+        if CAUSAL:
+            n = gl.cdiv(gl.minimum(q_lo + BLOCK, S), BLOCK_N)
+        else:
+            n = gl.cdiv(S, BLOCK_N)
+        h = bh % H
+        return bh, bh // H, h, h // GROUP, q_lo, n
+
+    @gluon.jit
+    def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
+                     v_empty, num_tiles, num_m, S, H, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """Every TMA load: a tile's two Q tiles once both consumers are done with the last tile's, then its K and V
+        blocks through STAGES-deep rings, a slot refilled once both consumers released it. Ring positions and
+        barrier phases count blocks across the program's tiles."""
+        kv = 0
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            bh, b, h, hk, q_lo, n = _ws_tile(t, num_m, S, H, GROUP, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
+            mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, q_lo, 0], q_full, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [b, h, q_lo + BLOCK_M, 0], q_full, q_smem.index(1))
+            for j in range(n):
+                slot = kv % STAGES
+                mbarrier.wait(k_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
+                _load(k_desc, b, hk, j * BLOCK_N, k_full.index(slot), k_smem.index(slot), True)
+                mbarrier.wait(v_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
+                _load(v_desc, b, hk, j * BLOCK_N, v_full.index(slot), v_smem.index(slot), True)
+                kv += 1
+            i += 1
+
+    @gluon.jit
+    def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
+                     num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings, O stored by TMA."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        q_tile = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
+
+        kv = 0
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            bh, b, h, hk, q_lo, n_tile = _ws_tile(t, num_m, S, H, GROUP, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            m0 = q_lo + WG * BLOCK_M
+            n = n_tile
+            if CAUSAL:  # this warpgroup's rows may end a block before the tile's
+                n = gl.minimum(n_tile, gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N))
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            mbarrier.wait(q_full, phase=i & 1)
+
+            slot = kv % STAGES
+            mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, m0, S, offs_m, offs_m, 0, 0,
+                                               BLOCK_N, CAUSAL, EVEN_S, False, s_layout)
+            for j in range(1, n):
+                prev, prev_phase = slot, (kv // STAGES) & 1
+                kv += 1
+                slot = kv % STAGES
+                mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                mbarrier.wait(v_full.index(prev), phase=prev_phase)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                    v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, m0, S, offs_m, offs_m,
+                                                   0, 0, BLOCK_N, CAUSAL, EVEN_S, False, s_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
+            mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            kv += 1
+            for _skipped in range(n, n_tile):  # blocks past these rows: released once loaded (phases count them)
+                slot = kv % STAGES
+                mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(slot), count=1)
+                kv += 1
+            i += 1
+
+            # every row sees key 0: l > 0
+            acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+            gl.store(Lse + bh.to(gl.int64) * L + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < L)
+            # O through shared memory and a TMA store (rows past L clipped): no pointer tile held in registers
+            tma.store_wait(0)  # this warpgroup's previous store has left the buffer
+            o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], o_smem.index(WG))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, num_tiles, num_m, H, GROUP, L, S, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     EVEN_S: gl.constexpr, STAGES: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers release Q
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        # this program's 4 warps are the producer (the default partition, left with 24-40 registers a thread); the
+        # consumers are 4-warp workers of 232 registers, what a 64 x 128 fp32 O plus S and P in flight need
+        gl.warp_specialize([
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
+                            v_empty, num_tiles, num_m, S, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, STAGES)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                            Lse, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                            EVEN_S, STAGES)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                            Lse, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                            EVEN_S, STAGES)),
+        ], [4, 4], [232, 232])
 
 
 # ----------------------------------------------------------------------------- backward: dK and dV
