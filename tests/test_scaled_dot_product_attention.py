@@ -1517,11 +1517,11 @@ HOPPER_CASES = [
     (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
-# causal D64 from WS_MIN_CAUSAL_D64_KEYS keys up with L < S (tiles of one or two key blocks, a consumer whose rows
-# end a block before its partner's)
+# causal D64 (from 8K keys) with L < S (tiles of one or two key blocks, a consumer whose rows end a block before its
+# partner's)
 HOPPER_WS_CASES = [
     (4, 8, 8, 1100, 1100, 128, False),
-    (3, 8, 4, 1000, 700, 64, False),
+    (3, 8, 4, 1000, 2100, 64, False),
     (1, 2, 1, 300, 8200, 64, True),
 ]
 
@@ -1532,7 +1532,7 @@ HOPPER_WS_CASES = [
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_CASES + HOPPER_WS_CASES])
 def test_cuda_hopper_forward(case, layout, monkeypatch):
     """On an H100/H200 the plain bf16 forward runs a Gluon kernel (kernels/_scaled_dot_product_attention_hopper.py),
-    the warp-specialized one except for short causal D64, the backward on its logsumexp: parity of the output and
+    the warp-specialized one except for D64 with few keys, the backward on its logsumexp: parity of the output and
     every gradient, for q/k/v laid out as (B, H, T, D) and as models make them, (B, T, H, D) memory seen through a
     transpose."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
@@ -1549,12 +1549,12 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     ws = hopper._forward_warp_specialized
     monkeypatch.setattr(hopper, "_forward_warp_specialized", lambda *a, **kw: (ws_calls.append(a), ws(*a, **kw)))
     check_parity(q, k, v, None, causal)
-    assert bool(ws_calls) == (not (D == 64 and causal and S < hopper.WS_MIN_CAUSAL_D64_KEYS))
+    assert bool(ws_calls) == (S >= hopper._WS_CONFIGS[(D, causal)][2])
 
 
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
     """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
-    at D64/D128 with its per-shape config, not short causal D64, not key intervals (windows, packed sequences), not an
+    at D64/D128 with its per-shape config, not D64 with few keys, not key intervals (windows, packed sequences), not an
     output the TMA cannot store to, nor with the switch off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
@@ -1563,10 +1563,10 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
         k = torch.empty(1, 2, s, d, dtype=torch.bfloat16)
         return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals)
 
-    configs = hopper._WS_CONFIGS
-    assert route(128, False) == configs[(128, False)] and route(128, True) == configs[(128, True)]
-    assert route(64, False) == configs[(64, False)]
-    assert route(64, True) is None and route(64, True, s=hopper.WS_MIN_CAUSAL_D64_KEYS) == configs[(64, True)]
+    configs = {key: config[:2] for key, config in hopper._WS_CONFIGS.items()}
+    assert route(128, False, s=256) == configs[(128, False)] and route(128, True, s=256) == configs[(128, True)]
+    assert route(64, False, s=1024) is None and route(64, False, s=2048) == configs[(64, False)]
+    assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
     assert route(128, False, intervals=(torch.empty(0),) * 4) is None
     misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
     assert route(128, False, out=misaligned) is None

@@ -312,25 +312,24 @@ if gluon is not None:
 # producer issuing every TMA load and two consumers of 64 query rows each that share every K/V tile (half the shared
 # memory traffic of two 64-row programs), with the intra-warpgroup overlap above; the producer hands its registers to
 # the consumers (setmaxnreg). Persistent programs (one per SM looping over tiles) load the next tile while the
-# consumers finish this one. (K/V ring depth, persistent) per (head dim, causal): the fastest of the variants on an
-# H200 (bf16, B*L = 16384, H*D = 2048, L 2K-16K; .gpu-style A/B in benchmarks/results/h100-attention-experiments.md):
-# causal stays non-persistent (statically dealt tiles of unequal length left SMs idle: 0.71x at L = 16K).
-_WS_CONFIGS = {(64, False): (3, True), (64, True): (2, False), (128, False): (2, True), (128, True): (2, False)}
-# Causal D64 keeps the 64 x 64 tiles above below this many keys (2K: 0.90x, 4K: 1.00x, 16K: 1.08x of them): the
-# 128-key blocks mask more of the diagonal where a short causal row has few blocks.
-WS_MIN_CAUSAL_D64_KEYS = 8192
+# consumers finish this one. (K/V ring depth, persistent, fewest keys) per (head dim, causal): the fastest of the
+# variants in .gpu-style A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/
+# h100-attention-experiments.md). Causal stays non-persistent (statically dealt tiles of unequal length left SMs idle:
+# 0.71x at L = 16K). At D64 the 64 x 64-tile forward above keeps the calls with fewer keys: not causal below 2K
+# (0.94-0.95x there at 1K on both cards, 1.00x at 2K), causal below 8K (0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K:
+# 128-key blocks mask more of the diagonal where a causal row has few blocks).
+_WS_CONFIGS = {(64, False): (3, True, 2048), (64, True): (2, False, 8192), (128, False): (2, True, 0),
+               (128, True): (2, False, 0)}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
                       intervals: tuple | None) -> tuple[int, bool] | None:
     """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs."""
-    D, S = q.shape[-1], k.shape[2]
     if not ws_enabled or intervals is not None or not _tma_compatible(out):
         return None
-    if D == 64 and is_causal and S < WS_MIN_CAUSAL_D64_KEYS:
-        return None
-    return _WS_CONFIGS[(D, is_causal)]
+    stages, persistent, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
+    return (stages, persistent) if k.shape[2] >= min_keys else None
 
 
 @functools.cache
