@@ -1,18 +1,21 @@
-"""Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out, and the
-backward's two passes (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
+"""Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (dense
+calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups), and the backward's two passes
+(dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
 Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
 matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: in the forward the next block's S = Q K^T and
 this block's O += P V are both in flight while the softmax of S runs, and K and V arrive by TMA (the bulk tensor copy
 engine) into rings of shared memory, each buffer refilled as soon as the product that read it has retired. Two
-programs share an SM (one warpgroup each), so one's softmax also runs under the other's products. The backward keeps
+warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
+the two consumers of one program, which share every K/V tile a third, producer warpgroup loads, and get its registers;
+with key intervals (``_attn_fwd_hopper``) as two programs of one warpgroup each. The backward keeps
 the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams the query
 blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next products'
 register operands; a dQ program holds one query block and streams the key blocks.
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
-h*-scaled_dot_product_attention.md): forward 1.00-1.19x, forward+backward 1.00-1.38x (D128 at L >= 4096 1.18-1.38x,
-H100 and H200). cuDNN is still ahead: forward 0.86-0.97x of it, forward+backward 0.75-0.86x (D 64/128, L >= 2048).
+h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
+(D 64/128, L >= 4096): forward 0.94-1.14x (D128 0.98-1.14x), forward+backward 0.76-0.87x.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout or softcap, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
@@ -315,9 +318,10 @@ if gluon is not None:
 # consumers finish this one. (K/V ring depth, persistent, fewest keys) per (head dim, causal): the fastest of the
 # variants in .gpu-style A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/
 # h100-attention-experiments.md). Causal stays non-persistent (statically dealt tiles of unequal length left SMs idle:
-# 0.71x at L = 16K). At D64 the 64 x 64-tile forward above keeps the calls with fewer keys: not causal below 2K
-# (0.94-0.95x there at 1K on both cards, 1.00x at 2K), causal below 8K (0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K:
-# 128-key blocks mask more of the diagonal where a causal row has few blocks).
+# 0.71x at L = 16K). At D64 the forward above keeps the calls with fewer keys: not causal below 2K (1.00x at 1K and
+# 2K in a direct A/B, 0.94-0.95x at 1K against the previous benchmark tables on both cards), causal below 8K (0.76x
+# at 1K, 0.87-0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K: 128-key blocks mask more of the diagonal where a causal
+# row has few blocks).
 _WS_CONFIGS = {(64, False): (3, True, 2048), (64, True): (2, False, 8192), (128, False): (2, True, 0),
                (128, True): (2, False, 0)}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
