@@ -1443,25 +1443,32 @@ def test_cuda_hopper_window(case, dtype, monkeypatch):
     """On Hopper a window runs the Gluon kernels (as key intervals), forward, dK/dV and dQ."""
     calls = gluon_kernel_calls(monkeypatch)
     check_window_softcap(case, dtype, device="cuda")
-    assert set(calls) == set(GLUON_KERNELS)
+    assert set(calls) == gluon_kernels_on_intervals(case[5])
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
 
 
 def gluon_kernel_calls(monkeypatch) -> list[str]:
-    """The Hopper (Gluon) kernels called from now on, by launcher name, with MIN_FLOPS off (test shapes are small);
-    skips the test on other GPUs."""
+    """The Hopper (Gluon) kernels called from now on, by launcher name (the warp-specialized forward's as well), with
+    MIN_FLOPS off (test shapes are small); skips the test on other GPUs."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
     calls = []
-    for name in GLUON_KERNELS:
+    for name in GLUON_KERNELS + ("_forward_warp_specialized",):
         kernel = getattr(hopper, name)
         monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
     return calls
+
+
+def gluon_kernels_on_intervals(head_dim: int) -> set[str]:
+    """The Gluon launchers a call on key intervals (window, packed sequences) runs at this head dim."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    return set(GLUON_KERNELS) | ({"_forward_warp_specialized"} if hopper._WS_INTERVALS[head_dim] else set())
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),
@@ -1554,8 +1561,8 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
 
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
     """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
-    at D64/D128 with its per-shape config, not D64 with few keys, not key intervals (windows, packed sequences), not an
-    output the TMA cannot store to, nor with the switch off."""
+    at D64/D128 with its per-shape config, not D64 with few keys; key intervals (windows, packed sequences) one
+    program a tile where ``_WS_INTERVALS`` says; not an output the TMA cannot store to, nor with the switch off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     def route(d, causal, s=4096, out=None, intervals=None):
@@ -1567,7 +1574,9 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(128, False, s=256) == configs[(128, False)] and route(128, True, s=256) == configs[(128, True)]
     assert route(64, False, s=1024) is None and route(64, False, s=2048) == configs[(64, False)]
     assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
-    assert route(128, False, intervals=(torch.empty(0),) * 4) is None
+    intervals = (torch.empty(0),) * 4
+    for d in (64, 128):
+        assert route(d, False, intervals=intervals) == ((2, False) if hopper._WS_INTERVALS[d] else None)
     misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
     assert route(128, False, out=misaligned) is None
     monkeypatch.setattr(hopper, "ws_enabled", False)

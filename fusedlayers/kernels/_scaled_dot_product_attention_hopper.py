@@ -125,7 +125,7 @@ def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tens
     ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1."""
     ws = _warp_specialized(q, k, is_causal, out, intervals)
     if ws is not None:
-        _forward_warp_specialized(q, k, v, is_causal, qk_scale, out, lse, *ws)
+        _forward_warp_specialized(q, k, v, is_causal, qk_scale, out, lse, intervals, *ws)
         return
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -327,11 +327,17 @@ _WS_CONFIGS = {(64, False): (3, True, 2048), (64, True): (2, False, 8192), (128,
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
+# Key intervals (windows, packed sequences) too, one program a tile, per head dim:
+_WS_INTERVALS = {64: True, 128: True}
+
+
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
                       intervals: tuple | None) -> tuple[int, bool] | None:
     """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs."""
-    if not ws_enabled or intervals is not None or not _tma_compatible(out):
+    if not ws_enabled or not _tma_compatible(out):
         return None
+    if intervals is not None:
+        return (2, False) if _WS_INTERVALS[q.shape[-1]] else None
     stages, persistent, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     return (stages, persistent) if k.shape[2] >= min_keys else None
 
@@ -342,49 +348,63 @@ def _sm_count(device: int) -> int:
 
 
 def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                              stages: int, persistent: bool) -> None:
+                              intervals: tuple | None, stages: int, persistent: bool) -> None:
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n = 64, 128
     num_m = cdiv(L, 2 * block_m)
     num_tiles = num_m * B * H
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
+    row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     _attn_fwd_ws[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
-        num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=is_causal, EVEN_S=S % block_n == 0, STAGES=stages, num_warps=4,
+        row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None, STAGES=stages,
+        num_warps=4,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _ws_tile(t, num_m, S, H, GROUP, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Tile t's (b*H + h, b, h, key/value head, first row, key blocks): the tiles of one (batch, head) are
-        consecutive (programs running together share its K/V in L2), the longest causal rows first."""
+    def _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, layout: gl.constexpr):
+        """Tile t's (b*H + h, b, h, key/value head, first row) and key blocks [first, first + n * BLOCK_N): those of
+        either 64-row half (with INTERVALS, the union of theirs). The tiles of one (batch, head) are consecutive
+        (programs running together share its K/V in L2), the longest causal rows first."""
         bh = t // num_m
         pid_m = t % num_m
         if CAUSAL:
             pid_m = num_m - 1 - pid_m
-        q_lo = pid_m * BLOCK
-        if CAUSAL:
-            n = gl.cdiv(gl.minimum(q_lo + BLOCK, S), BLOCK_N)
+        q_lo = pid_m * 2 * BLOCK_M
+        if INTERVALS:
+            offs = q_lo + gl.arange(0, BLOCK_M, layout=layout)
+            _, _, first0, n0, _, _ = _block_intervals(RowLo, RowHi, offs, L, S, BLOCK_N)
+            _, _, first1, n1, _, _ = _block_intervals(RowLo, RowHi, offs + BLOCK_M, L, S, BLOCK_N)
+            first = gl.minimum(first0, first1)
+            n = (gl.maximum(first0 + n0 * BLOCK_N, first1 + n1 * BLOCK_N) - first) // BLOCK_N
         else:
-            n = gl.cdiv(S, BLOCK_N)
+            first = 0
+            if CAUSAL:
+                n = gl.cdiv(gl.minimum(q_lo + 2 * BLOCK_M, S), BLOCK_N)
+            else:
+                n = gl.cdiv(S, BLOCK_N)
         h = bh % H
-        return bh, bh // H, h, h // GROUP, q_lo, n
+        return bh, bh // H, h, h // GROUP, q_lo, first, n
 
     @gluon.jit
     def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                     v_empty, num_tiles, num_m, S, H, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                     v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
         """Every TMA load: a tile's two Q tiles once both consumers are done with the last tile's, then its K and V
         blocks through STAGES-deep rings, a slot refilled once both consumers released it. Ring positions and
         barrier phases count blocks across the program's tiles."""
+        rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         kv = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            bh, b, h, hk, q_lo, n = _ws_tile(t, num_m, S, H, GROUP, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N, CAUSAL,
+                                                    INTERVALS, rows)
             mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
             mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, q_lo, 0], q_full, q_smem.index(0))
@@ -392,18 +412,32 @@ if gluon is not None:
             for j in range(n):
                 slot = kv % STAGES
                 mbarrier.wait(k_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
-                _load(k_desc, b, hk, j * BLOCK_N, k_full.index(slot), k_smem.index(slot), True)
+                _load(k_desc, b, hk, first + j * BLOCK_N, k_full.index(slot), k_smem.index(slot), True)
                 mbarrier.wait(v_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
-                _load(v_desc, b, hk, j * BLOCK_N, v_full.index(slot), v_smem.index(slot), True)
+                _load(v_desc, b, hk, first + j * BLOCK_N, v_full.index(slot), v_smem.index(slot), True)
                 kv += 1
             i += 1
 
     @gluon.jit
+    def _ws_release(k_full, v_full, k_empty, v_empty, kv, count, STAGES: gl.constexpr):
+        """Releases ``count`` blocks this warpgroup does not read, each once loaded (its empty barrier's phase counts
+        every block of the ring)."""
+        for _ in range(count):
+            slot = kv % STAGES
+            mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            kv += 1
+        return kv
+
+    @gluon.jit
     def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
-                     num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings, O stored by TMA."""
+                     RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
+        """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings, over the tile's
+        blocks its rows reach (the others released unread), O stored by TMA."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -418,16 +452,22 @@ if gluon is not None:
         kv = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            bh, b, h, hk, q_lo, n_tile = _ws_tile(t, num_m, S, H, GROUP, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N,
+                                                         CAUSAL, INTERVALS, row_s)
             m0 = q_lo + WG * BLOCK_M
-            n = n_tile
-            if CAUSAL:  # this warpgroup's rows may end a block before the tile's
-                n = gl.minimum(n_tile, gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N))
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            if INTERVALS:  # this warpgroup's rows reach key blocks [lo, lo + n * BLOCK_N) of the tile's
+                row_lo, row_hi, lo, n, seen_lo, seen_hi = _block_intervals(RowLo, RowHi, offs_m, L, S, BLOCK_N)
+            else:
+                row_lo, row_hi, lo, n, seen_lo, seen_hi = offs_m, offs_m, 0, n_tile, 0, 0
+                if CAUSAL:  # its rows may end a block before the tile's
+                    n = gl.minimum(n_tile, gl.cdiv(gl.minimum(m0 + BLOCK_M, S), BLOCK_N))
+            lead = (lo - first) // BLOCK_N
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
             mbarrier.wait(q_full, phase=i & 1)
+            kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, lead, STAGES)
 
             slot = kv % STAGES
             mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
@@ -435,8 +475,8 @@ if gluon is not None:
                               use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, m0, S, offs_m, offs_m, 0, 0,
-                                               BLOCK_N, CAUSAL, EVEN_S, False, s_layout)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, m0, S, row_lo, row_hi, seen_lo,
+                                               seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
             for j in range(1, n):
                 prev, prev_phase = slot, (kv // STAGES) & 1
                 kv += 1
@@ -449,8 +489,9 @@ if gluon is not None:
                                     v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, m0, S, offs_m, offs_m,
-                                                   0, 0, BLOCK_N, CAUSAL, EVEN_S, False, s_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
+                                                   row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
+                                                   s_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -460,19 +501,18 @@ if gluon is not None:
                                 v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(slot), count=1)
-            kv += 1
-            for _skipped in range(n, n_tile):  # blocks past these rows: released once loaded (phases count them)
-                slot = kv % STAGES
-                mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
-                mbarrier.arrive(v_empty.index(slot), count=1)
-                kv += 1
+            kv = _ws_release(k_full, v_full, k_empty, v_empty, kv + 1, n_tile - lead - n, STAGES)
             i += 1
 
-            # every row sees key 0: l > 0
-            acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-            gl.store(Lse + bh.to(gl.int64) * L + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < L)
+            if INTERVALS:  # a row without keys: output 0, logsumexp +inf (as the Triton kernel writes)
+                has_keys = l_i > 0.0
+                l_safe = gl.where(has_keys, l_i, 1.0)
+                acc = acc * gl.expand_dims(gl.convert_layout(gl.where(has_keys, 1.0 / l_safe, 0.0), row_o), 1)
+                lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+            else:  # every row sees key 0: l > 0
+                acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            gl.store(Lse + bh.to(gl.int64) * L + offs_m, lse, mask=offs_m < L)
             # O through shared memory and a TMA store (rows past L clipped): no pointer tile held in registers
             tma.store_wait(0)  # this warpgroup's previous store has left the buffer
             o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
@@ -481,9 +521,9 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, num_tiles, num_m, H, GROUP, L, S, qk_scale,
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, num_tiles, num_m, H, GROUP, L, S, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, STAGES: gl.constexpr):
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -508,13 +548,14 @@ if gluon is not None:
         # consumers are 4-warp workers of 232 registers, what a 64 x 128 fp32 O plus S and P in flight need
         gl.warp_specialize([
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                            v_empty, num_tiles, num_m, S, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, STAGES)),
+                            v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                            INTERVALS, STAGES)),
             (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            Lse, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                            EVEN_S, STAGES)),
+                            Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES)),
             (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            Lse, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                            EVEN_S, STAGES)),
+                            Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES)),
         ], [4, 4], [232, 232])
 
 
