@@ -1437,26 +1437,29 @@ HOPPER_WINDOW_CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}w{c[8][0]},{c[8][1]}")
-def test_cuda_hopper_window(case, dtype, monkeypatch):
-    """On Hopper a window runs the Gluon kernels (as key intervals), forward, dK/dV and dQ."""
-    calls = gluon_kernel_calls(monkeypatch)
+def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
+    """On Hopper a window runs the Gluon kernels (as key intervals), forward (either one), dK/dV and dQ."""
+    calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_window_softcap(case, dtype, device="cuda")
-    assert set(calls) == gluon_kernels_on_intervals(case[5])
+    assert set(calls) == gluon_kernels_on_intervals(ws)
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
 
 
-def gluon_kernel_calls(monkeypatch) -> list[str]:
+def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     """The Hopper (Gluon) kernels called from now on, by launcher name (the warp-specialized forward's as well), with
-    MIN_FLOPS off (test shapes are small); skips the test on other GPUs."""
+    MIN_FLOPS off (test shapes are small) and key intervals on the warp-specialized forward or not (whatever their
+    width); skips the test on other GPUs."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "WS_INTERVAL_MIN_KEYS", 0 if ws_on_intervals else float("inf"))
     calls = []
     for name in GLUON_KERNELS + ("_forward_warp_specialized",):
         kernel = getattr(hopper, name)
@@ -1464,11 +1467,10 @@ def gluon_kernel_calls(monkeypatch) -> list[str]:
     return calls
 
 
-def gluon_kernels_on_intervals(head_dim: int) -> set[str]:
-    """The Gluon launchers a call on key intervals (window, packed sequences) runs at this head dim."""
-    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
-
-    return set(GLUON_KERNELS) | ({"_forward_warp_specialized"} if hopper._WS_INTERVALS[head_dim] else set())
+def gluon_kernels_on_intervals(ws: bool) -> set[str]:
+    """The Gluon launchers a call on key intervals (window, packed sequences) runs, its forward warp-specialized or
+    not."""
+    return set(GLUON_KERNELS) | ({"_forward_warp_specialized"} if ws else set())
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),
@@ -1562,21 +1564,24 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
     """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
     at D64/D128 with its per-shape config, not D64 with few keys; key intervals (windows, packed sequences) one
-    program a tile where ``_WS_INTERVALS`` says; not an output the TMA cannot store to, nor with the switch off."""
+    program a tile from WS_INTERVAL_MIN_KEYS keys a row; not an output the TMA cannot store to, nor with the switch
+    off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-    def route(d, causal, s=4096, out=None, intervals=None):
+    def route(d, causal, s=4096, out=None, intervals=None, keys=None):
         q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
         k = torch.empty(1, 2, s, d, dtype=torch.bfloat16)
-        return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals)
+        return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals, keys)
 
     configs = {key: config[:2] for key, config in hopper._WS_CONFIGS.items()}
     assert route(128, False, s=256) == configs[(128, False)] and route(128, True, s=256) == configs[(128, True)]
     assert route(64, False, s=1024) is None and route(64, False, s=2048) == configs[(64, False)]
     assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
-    intervals = (torch.empty(0),) * 4
+    intervals, wide = (torch.empty(0),) * 4, hopper.WS_INTERVAL_MIN_KEYS
     for d in (64, 128):
-        assert route(d, False, intervals=intervals) == ((2, False) if hopper._WS_INTERVALS[d] else None)
+        assert route(d, False, intervals=intervals) is None  # the width unknown
+        assert route(d, False, intervals=intervals, keys=wide - 1) is None
+        assert route(d, False, intervals=intervals, keys=wide) == (2, False)
     misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
     assert route(128, False, out=misaligned) is None
     monkeypatch.setattr(hopper, "ws_enabled", False)

@@ -201,14 +201,15 @@ HOPPER_CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=[f"case{i}" for i in range(len(HOPPER_CASES))])
-def test_cuda_hopper_kernels(case, dtype, monkeypatch):
+def test_cuda_hopper_kernels(case, dtype, ws, monkeypatch):
     """On Hopper the Gluon kernels run packed sequences and windows (as per-row key intervals), forward, dK/dV and dQ:
     each ran, and the parity rule holds."""
-    calls = gluon_kernel_calls(monkeypatch)
+    calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check(case, dtype, device="cuda")
-    assert set(calls) == gluon_kernels_on_intervals(case[4])
+    assert set(calls) == gluon_kernels_on_intervals(ws)
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])

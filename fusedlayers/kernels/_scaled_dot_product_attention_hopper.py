@@ -119,11 +119,12 @@ def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                      intervals: tuple[torch.Tensor, ...] | None = None) -> None:
+                      intervals: tuple[torch.Tensor, ...] | None = None, keys_per_row: float | None = None) -> None:
     """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32; +inf for a row without keys) for q (B, H, L, D),
     k/v (B, H_kv, S, D); ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's
-    ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1."""
-    ws = _warp_specialized(q, k, is_causal, out, intervals)
+    ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1, with about
+    ``keys_per_row`` keys a row."""
+    ws = _warp_specialized(q, k, is_causal, out, intervals, keys_per_row)
     if ws is not None:
         _forward_warp_specialized(q, k, v, is_causal, qk_scale, out, lse, intervals, *ws)
         return
@@ -327,17 +328,20 @@ _WS_CONFIGS = {(64, False): (3, True, 2048), (64, True): (2, False, 8192), (128,
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
-# Key intervals (windows, packed sequences) too, one program a tile, per head dim:
-_WS_INTERVALS = {64: True, 128: True}
+# Key intervals (windows, packed sequences) too, one program a tile, from this many keys a row up: against the forward
+# above (H200, 16K tokens, H*D = 2048) window 4096 1.10x (D128) / 1.03x (D64), window 1024 1.02x / 0.84x, the
+# benchmark's documents (1331 keys a row by the estimate) 0.94x / 0.78x: short intervals waste more of 128-key blocks.
+WS_INTERVAL_MIN_KEYS = 4096
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
-                      intervals: tuple | None) -> tuple[int, bool] | None:
-    """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs."""
+                      intervals: tuple | None, keys_per_row: float | None = None) -> tuple[int, bool] | None:
+    """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs;
+    ``keys_per_row`` as ``applies``'."""
     if not ws_enabled or not _tma_compatible(out):
         return None
     if intervals is not None:
-        return (2, False) if _WS_INTERVALS[q.shape[-1]] else None
+        return (2, False) if keys_per_row is not None and keys_per_row >= WS_INTERVAL_MIN_KEYS else None
     stages, persistent, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     return (stages, persistent) if k.shape[2] >= min_keys else None
 

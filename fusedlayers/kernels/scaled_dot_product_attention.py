@@ -979,7 +979,8 @@ def attention_forward(
         keys_per_row = _window_keys_per_row(S, is_causal, window)
     if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal, keys_per_row):
         causal, intervals = _hopper_masks(L, S, is_causal, window, intervals, q.device)
-        hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals)
+        hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals,
+                                 keys_per_row)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
