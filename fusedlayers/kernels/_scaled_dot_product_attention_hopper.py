@@ -1,4 +1,4 @@
-"""Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (dense
+"""Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (most
 calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups), and the backward's two passes
 (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
@@ -8,10 +8,10 @@ this block's O += P V are both in flight while the softmax of S runs, and K and 
 engine) into rings of shared memory, each buffer refilled as soon as the product that read it has retired. Two
 warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
 the two consumers of one program, which share every K/V tile a third, producer warpgroup loads, and get its registers;
-with key intervals (``_attn_fwd_hopper``) as two programs of one warpgroup each. The backward keeps
-the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams the query
-blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next products'
-register operands; a dQ program holds one query block and streams the key blocks.
+for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
+backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
+the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
+products' register operands; a dQ program holds one query block and streams the key blocks.
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
