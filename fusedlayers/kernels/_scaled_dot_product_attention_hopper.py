@@ -312,7 +312,7 @@ if gluon is not None:
 
 # ----------------------------------------------------------------------------- forward, warp-specialized
 
-# Dense calls (no key intervals) whose output the TMA can store run this forward: a program is three warpgroups, a
+# Calls whose output the TMA can store run this forward (see _warp_specialized): a program is three warpgroups, a
 # producer issuing every TMA load and two consumers of 64 query rows each that share every K/V tile (half the shared
 # memory traffic of two 64-row programs), with the intra-warpgroup overlap above; the producer hands its registers to
 # the consumers (setmaxnreg). Persistent programs (one per SM looping over tiles) load the next tile while the
