@@ -35,8 +35,10 @@ import torch
 from fusedlayers.kernels import cdiv
 
 try:
+    from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -745,6 +747,293 @@ if gluon is not None:
                    + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
 
+
+# ----------------------------------------------------------------------------- backward: one pass, ordered dQ
+
+# The two passes above compute S and dP twice (7 products a tile where one pass needs 5). This one is the dK/dV
+# program with dQ added: per query block, dS (already in registers for dK) goes to shared memory and dQ_part = dS K
+# is added to an fp32 dQ in global memory. The additions are ordered, so the result is deterministic: every (batch,
+# head, query block) has a counter, and key block n adds its part only once the counter reads n (key blocks 0..n-1
+# have added theirs), then the counter is raised. Key blocks of a head are launched in order and walk the query
+# blocks in the same order (last block first, heads of a GQA group innermost), so each trails the one before it by a
+# step or two and rarely waits. The counter is checked while S and dP are computed, and raised a step later, once
+# the additions are surely done (the release fence then costs nothing).
+# (BLOCK_N keys, BLOCK_M queries, warps) per head dim.
+_FUSED_CONFIGS = {64: (64, 64, 4), 128: (128, 64, 8)}
+fused_enabled = False  # slower than the two passes at every measured shape (experiments file, session 10)
+fused_debug = (True, 0)  # TEMP: (ordered, mode)
+fused_config = None  # (BLOCK_N, BLOCK_M, warps) for every head dim (A/B timing)
+
+
+def fused_backward(q: torch.Tensor, is_causal: bool, intervals: tuple | None) -> bool:
+    """Whether a backward that ``backward_passes`` admits runs in one pass here: dense calls (no key intervals)."""
+    return fused_enabled and intervals is None
+
+
+def attention_backward(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s (no intervals)."""
+    B, H, L, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    block_n, block_m, warps = fused_config or _FUSED_CONFIGS[D]
+    n_blocks_m = cdiv(L, block_m)
+    dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
+    dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D], _dq_layout(block_m, D))
+    counters = torch.zeros((B * H * n_blocks_m, ), dtype=torch.int32, device=q.device)
+    _attn_bwd_hopper[(cdiv(S, block_n), B * H_kv)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
+        dq_desc, lse, delta, dk, dv, counters, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, qk_scale, scale,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
+        num_warps=warps, ORDERED=fused_debug[0], MODE=fused_debug[1],
+    )
+    dq.copy_(dq32.view(B, H, L, D).mul_(scale))
+
+
+@functools.cache
+def _dq_layout(block_m: int, head_dim: int):
+    return gl.NVMMASharedLayout.get_default_for([1, block_m, head_dim], gl.float32)
+
+
+@functools.cache
+def _ds_layout(block_n: int, block_m: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl.bfloat16 if dtype == torch.bfloat16 else
+                                                gl.float16)
+
+
+if gluon is not None:
+
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """dst[coord...] += src by the TMA (Triton 3.6 builds the op; Gluon has no Python name for it yet)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+    @gluon.jit
+    def _bulk_writes_done(x):
+        """Waits until this thread's TMA stores and reductions are written (not only read from shared memory, as
+        ``tma.store_wait``), ordered before its later accesses of global memory (x: any scalar, returned)."""
+        return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\nmov.b32 $0, $1;",
+                                         "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bwd_step(i, blocks_m, GROUP):
+        """Step i of a key block's walk: query head (in its GQA group) and query block, the last one first."""
+        return i % GROUP, (blocks_m - 1 - i // GROUP)
+
+    @gluon.jit
+    def _bwd_compute(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                     q_bar, do_bar, dq_full, dq_empty, Lse, Delta, DK, DV,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                     H, GROUP, L, S, qk_scale, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr, dq_desc=None,
+                     Counters=None, INLINE: gl.constexpr = False, ORDERED: gl.constexpr = True):
+        """``_attn_bwd_dkdv_hopper``'s loop, plus dQ_part = dS K (dS^T through shared memory) handed to the dQ
+        writer in a two-deep ring."""
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        # dQ_part (BLOCK_M x D): each warpgroup computes a slice of D
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                            instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        pid_n, b, hk, blocks_m, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+        for i in gl.static_range(2):
+            g, mb = _bwd_step(i, blocks_m, GROUP)
+            _load(q_desc, b, hk * GROUP + g, mb * BLOCK_M, q_bar.index(i), q_smem.index(i), i < total)
+            _load(do_desc, b, hk * GROUP + g, mb * BLOCK_M, do_bar.index(i), do_smem.index(i), i < total)
+        k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        counter = Counters
+        mbarrier.wait(kv_bar, phase=0)
+        for i in range(total):
+            buf = i % 2
+            phase = (i // 2) & 1
+            g, mb = _bwd_step(i, blocks_m, GROUP)
+            m0 = mb * BLOCK_M
+            bh = b * H + hk * GROUP + g
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+            # query rows past L: logsumexp +inf, so P = 0 there (the TMA reads their q and dO as zeros); keys past
+            # S: zeros in K, adding nothing to dQ
+            lse = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
+            delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+            q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_bar.index(buf), phase=phase)
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bar.index(buf), phase=phase)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if INLINE:
+                if ORDERED:
+                    if i > 0:
+                        _bulk_writes_done(pid_n)
+                        gl.thread_barrier()
+                        gl.atomic_add(counter, 1, sem="release", scope="gpu")
+                    counter = Counters + bh * blocks_m + mb
+                    while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != pid_n:
+                        pass
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
+            if CAUSAL:
+                if m0 < n0 + BLOCK_N:  # only the blocks that cross the diagonal pay for the mask
+                    p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()  # every warpgroup reads all of dS
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # their operand registers are free
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            # this buffer's q and dO are read: it takes step i + 2's
+            g, mb = _bwd_step(i + 2, blocks_m, GROUP)
+            _load(q_desc, b, hk * GROUP + g, mb * BLOCK_M, q_bar.index(buf), q_smem.index(buf), i + 2 < total)
+            _load(do_desc, b, hk * GROUP + g, mb * BLOCK_M, do_bar.index(buf), do_smem.index(buf), i + 2 < total)
+            if INLINE:
+                tma.store_wait(0)  # the previous reduction has read dq_smem
+                dq_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [bh, m0, 0], dq_smem.index(0))
+            else:
+                mbarrier.wait(dq_empty.index(buf), phase=phase ^ 1, pred=i >= 2)
+                dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                fence_async_shared()
+                gl.thread_barrier()  # all of dQ_part is in shared memory
+                mbarrier.arrive(dq_full.index(buf))
+        if INLINE:
+            _bulk_writes_done(pid_n)
+            if ORDERED:
+                if total > 0:
+                    gl.thread_barrier()
+                    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+        offs_na = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        rows = gl.expand_dims(offs_na < S, 1)
+        dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+                   + gl.expand_dims(offs_na, 1) * stride_dkn + gl.expand_dims(offs_d, 0) * stride_dkd)
+        gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
+        dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
+                   + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
+
+    @gluon.jit
+    def _bwd_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Counters, H, GROUP, L, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr, MODE: gl.constexpr):
+        """Adds each dQ_part to the fp32 dQ by the TMA, in key-block order: waits for the query block's counter to
+        read this key block's index, reduces, waits until the sums are written, frees the buffer, raises the
+        counter."""
+        pid_n, b, hk, blocks_m, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        for i in range(total):
+            buf = i % 2
+            g, mb = _bwd_step(i, blocks_m, GROUP)
+            bh = b * H + hk * GROUP + g
+            counter = Counters + bh * blocks_m + mb
+            mbarrier.wait(dq_full.index(buf), phase=(i // 2) & 1)
+            if ORDERED:
+                while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != pid_n:
+                    pass
+            if MODE == 0:
+                _tma_reduce_add(dq_desc, [bh, mb * BLOCK_M, 0], dq_smem.index(buf))
+                _bulk_writes_done(pid_n)
+                gl.thread_barrier()
+                mbarrier.arrive(dq_empty.index(buf))
+            elif MODE == 1:
+                _tma_reduce_add(dq_desc, [bh, mb * BLOCK_M, 0], dq_smem.index(buf))
+                tma.store_wait(0)
+                gl.thread_barrier()
+                mbarrier.arrive(dq_empty.index(buf))
+                if ORDERED:
+                    _bulk_writes_done(pid_n)
+                    gl.thread_barrier()
+            else:
+                mbarrier.arrive(dq_empty.index(buf))
+            if ORDERED:
+                gl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _bwd_program(H, GROUP, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(key block, batch, key head, query blocks, steps): the program's key block meets every query block of
+        each of the GROUP query heads sharing its key head (causal: those from its first row on)."""
+        pid_n = gl.program_id(0)
+        bhk = gl.program_id(1)
+        H_KV = H // GROUP
+        blocks_m = gl.cdiv(L, BLOCK_M)
+        if CAUSAL:  # query blocks before this key block's first row see none of it
+            n_m = gl.maximum(blocks_m - (pid_n * BLOCK_N) // BLOCK_M, 0)
+        else:
+            n_m = blocks_m
+        return pid_n, bhk // H_KV, bhk % H_KV, blocks_m, GROUP * n_m
+
+    @gluon.jit
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, Counters,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                         H, GROUP, L, S, qk_scale, scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                         DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr, ORDERED: gl.constexpr = True,
+                         MODE: gl.constexpr = 0):
+        """One key block's dK, dV and its parts of dQ: the compute warps (this program's) and a 4-warp dQ writer."""
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n, b, hk, blocks_m, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        do_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(do_bar.index(i), count=1)
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        fence_async_shared()
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, pid_n * BLOCK_N, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, pid_n * BLOCK_N, 0], kv_bar, v_smem)
+
+        if MODE == 3:
+            _bwd_compute(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                         kv_bar, q_bar, do_bar, dq_full, dq_empty, Lse, Delta, DK, DV,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                         stride_dvd, H, GROUP, L, S, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                         num_warps, dq_desc, Counters, True, ORDERED)
+        else:
+            gl.warp_specialize([
+                (_bwd_compute, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                kv_bar, q_bar, do_bar, dq_full, dq_empty, Lse, Delta, DK, DV,
+                                stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                                stride_dvd, H, GROUP, L, S, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                                num_warps)),
+                (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Counters, H, GROUP, L, BLOCK_M, BLOCK_N,
+                                  CAUSAL, ORDERED, MODE)),
+            ], [4], [32])
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(q_bar.index(i))
+            mbarrier.invalidate(do_bar.index(i))
+            mbarrier.invalidate(dq_full.index(i))
+            mbarrier.invalidate(dq_empty.index(i))
 
 # ----------------------------------------------------------------------------- backward: dQ
 
