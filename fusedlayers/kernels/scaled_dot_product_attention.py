@@ -1065,11 +1065,6 @@ def attention_backward(
     hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal, keys_per_row)
     if hopper_dkdv or hopper_dq:
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
-    if (need_dq and need_dk and need_dv and not need_dmask and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
-            and (hopper_dkdv or hopper_dq) and hopper.fused_backward(q, hopper_causal, hopper_intervals)):
-        hopper.attention_backward(q, k, v, grad_out, lse, delta, hopper_causal, _exponent_scale(q.dtype, scale),
-                                  scale, dq, dk, dv)
-        return dq, dk, dv, ds
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
