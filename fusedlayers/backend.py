@@ -91,6 +91,16 @@ def deterministic_attention() -> bool:
     return value == "1"
 
 
+def keys_per_row(max_keys: int, is_causal: bool, window: tuple[int, int] = (-1, -1)) -> float:
+    """About how many keys a query row attends (at most): all ``max_keys`` (half when causal), or a window's width
+    (-1: that side unbounded). Sizes an attention call for the choice of kernels (the Hopper kernels' MIN_FLOPS and
+    which forward takes key intervals)."""
+    if tuple(window) == (-1, -1):
+        return max_keys / (2 if is_causal else 1)
+    left, right = (max_keys if w < 0 else w for w in window)
+    return float(min(max_keys, left + 1 + (0 if is_causal else right)))
+
+
 def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

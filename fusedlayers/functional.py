@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers import _validate as v
+from fusedlayers.backend import keys_per_row
 from fusedlayers.ops import checkpoint as _checkpoint_ops
 from fusedlayers.ops import cross_entropy as _cross_entropy_ops
 from fusedlayers.ops import fake_quantize as _fake_quantize_ops
@@ -246,16 +247,8 @@ def varlen_attention(
                                       query.shape[0], key.shape[0])
     seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
     out, _ = call(_varlen_ops.varlen_attention, query, key, value, *intervals, seed, dropout_p, float(scale),
-                  float(softcap), _keys_per_row(max_seqlen_k, is_causal, window_size))
+                  float(softcap), keys_per_row(max_seqlen_k, is_causal, window_size))
     return out
-
-
-def _keys_per_row(max_seqlen_k: int, is_causal: bool, window: tuple[int, int]) -> float:
-    """About how many keys a query row attends (at most): the size of the call, for the choice of kernels."""
-    left, right = (max_seqlen_k if w < 0 else w for w in window)
-    if tuple(window) == (-1, -1):
-        return max_seqlen_k / (2 if is_causal else 1)
-    return float(min(max_seqlen_k, left + 1 + (0 if is_causal else right)))
 
 
 # The last call's key intervals: a model calls varlen_attention once per layer with the same cu_seqlens tensors, and

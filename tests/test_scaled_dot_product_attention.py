@@ -1412,16 +1412,14 @@ def test_hopper_kernels_size_a_call_by_the_keys_a_row_attends():
     """The Hopper kernels' MIN_FLOPS counts the keys a row attends: all (half when causal) without a window, the
     window's width with one, and for packed sequences (fl.varlen_attention) the longest sequence's keys or the window:
     a narrow window over a long row is a small call (measured slower on the Gluon kernels)."""
-    from fusedlayers.functional import _keys_per_row
+    from fusedlayers.backend import keys_per_row
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
-    from fusedlayers.kernels.scaled_dot_product_attention import _window_keys_per_row
 
-    assert _window_keys_per_row(4096, True, (-1, -1)) is None
-    assert _window_keys_per_row(4096, True, (255, 0)) == _window_keys_per_row(4096, True, (255, 9)) == 256
-    assert _window_keys_per_row(4096, False, (255, 10)) == 266 and _window_keys_per_row(100, False, (255, 10)) == 100
-    assert _window_keys_per_row(4096, False, (10, -1)) == 4096 and _window_keys_per_row(4096, True, (-1, 3)) == 4096
-    assert _keys_per_row(2048, True, (-1, -1)) == 1024 and _keys_per_row(2048, False, (-1, -1)) == 2048
-    assert _keys_per_row(2048, True, (511, 0)) == 512 and _keys_per_row(300, False, (511, 7)) == 300
+    assert keys_per_row(4096, True, (255, 0)) == keys_per_row(4096, True, (255, 9)) == 256
+    assert keys_per_row(4096, False, (255, 10)) == 266 and keys_per_row(100, False, (255, 10)) == 100
+    assert keys_per_row(4096, False, (10, -1)) == 4096 and keys_per_row(4096, True, (-1, 3)) == 4096
+    assert keys_per_row(2048, True) == 1024 and keys_per_row(2048, False, (-1, -1)) == 2048
+    assert keys_per_row(2048, True, (511, 0)) == 512 and keys_per_row(300, False, (511, 7)) == 300
     q = torch.empty(2, 8, 4096, 128)
     assert hopper._flops(q, q, True, None) == hopper._flops(q, q, False, 2048) == 4 * 2 * 8 * 4096 * 128 * 2048
     assert hopper._flops(q, q, True, 256.0) == 4 * 2 * 8 * 4096 * 128 * 256

@@ -912,15 +912,6 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
-def _window_keys_per_row(S: int, is_causal: bool, window: tuple[int, int]) -> float | None:
-    """The keys a query row attends under a window (at most), which sizes the call for the Hopper kernels' MIN_FLOPS;
-    None without a window (they count L x S, halved when causal)."""
-    if tuple(window) == (-1, -1):
-        return None
-    left, right = (S if w < 0 else w for w in window)
-    return float(min(S, left + 1 + (0 if is_causal else right)))
-
-
 def _hopper_masks(L: int, S: int, is_causal: bool, window: tuple[int, int], intervals: tuple | None,
                   device: torch.device) -> tuple[bool, tuple | None]:
     """(causal, intervals) for the Hopper kernels, which take a window as per-row key intervals."""
@@ -976,7 +967,7 @@ def attention_forward(
         return out, lse
     hopper_ok = mask is None and dropout is None and softcap <= 0.0
     if keys_per_row is None:
-        keys_per_row = _window_keys_per_row(S, is_causal, window)
+        keys_per_row = backend.keys_per_row(S, is_causal, window)
     if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal, keys_per_row):
         causal, intervals = _hopper_masks(L, S, is_causal, window, intervals, q.device)
         hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals,
@@ -1060,7 +1051,7 @@ def attention_backward(
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
     hopper_ok = mask is None and dropout is None and softcap <= 0.0
     if keys_per_row is None:
-        keys_per_row = _window_keys_per_row(S, is_causal, window)
+        keys_per_row = backend.keys_per_row(S, is_causal, window)
     hopper_causal, hopper_intervals = is_causal and tuple(window) == (-1, -1), intervals
     hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal, keys_per_row)
     if hopper_dkdv or hopper_dq:
