@@ -11,7 +11,9 @@ the two consumers of one program, which share every K/V tile a third, producer w
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
 backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
-products' register operands; a dQ program holds one query block and streams the key blocks.
+products' register operands; a dQ program holds one query block and streams the key blocks. (One pass with dQ added
+in fp32 by ordered TMA reductions, five products a tile instead of seven, was deterministic but 0.53-0.95x of this:
+h100-attention-experiments.md, sessions 8 and 10.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
