@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from fusedlayers import backend
 from fusedlayers.kernels import cdiv
 
 try:
@@ -93,7 +94,7 @@ def _flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool, keys_per_row: floa
     513 (window 512), 1.06-1.31x from 1025 up (windows 1024 and 4096, the benchmark's mix of 70-2663 tokens)."""
     B, H, L, D = q.shape
     if keys_per_row is None:
-        keys_per_row = k.shape[2] / (2 if is_causal else 1)
+        keys_per_row = backend.keys_per_row(k.shape[2], is_causal)
     return 4.0 * B * H * L * D * keys_per_row
 
 
