@@ -1532,11 +1532,12 @@ HOPPER_CASES = [
     (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
-# causal D64 (from 8K keys) with L < S (tiles of one or two key blocks, a consumer whose rows end a block before its
-# partner's)
+# three consumers (D64 not causal, from 2K keys: 192-row tiles, L not a multiple), causal D64 (from 8K keys) with
+# L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's)
 HOPPER_WS_CASES = [
     (4, 8, 8, 1100, 1100, 128, False),
     (3, 8, 4, 1000, 2100, 64, False),
+    (2, 16, 16, 2000, 2050, 64, False),
     (1, 2, 1, 300, 8200, 64, True),
 ]
 
@@ -1564,7 +1565,9 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     ws = hopper._forward_warp_specialized
     monkeypatch.setattr(hopper, "_forward_warp_specialized", lambda *a, **kw: (ws_calls.append(a), ws(*a, **kw)))
     check_parity(q, k, v, None, causal)
-    assert bool(ws_calls) == (S >= hopper._WS_CONFIGS[(D, causal)][2])
+    stages, persistent, consumers, min_keys = hopper._WS_CONFIGS[(D, causal)]
+    assert bool(ws_calls) == (S >= min_keys)
+    assert all(call[-3:] == (stages, persistent, consumers) for call in ws_calls)
 
 
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
@@ -1579,7 +1582,7 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
         k = torch.empty(1, 2, s, d, dtype=torch.bfloat16)
         return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals, keys)
 
-    configs = {key: config[:2] for key, config in hopper._WS_CONFIGS.items()}
+    configs = {key: config[:3] for key, config in hopper._WS_CONFIGS.items()}
     assert route(128, False, s=256) == configs[(128, False)] and route(128, True, s=256) == configs[(128, True)]
     assert route(64, False, s=1024) is None and route(64, False, s=2048) == configs[(64, False)]
     assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
@@ -1587,7 +1590,7 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     for d in (64, 128):
         assert route(d, False, intervals=intervals) is None  # the width unknown
         assert route(d, False, intervals=intervals, keys=wide - 1) is None
-        assert route(d, False, intervals=intervals, keys=wide) == (2, False)
+        assert route(d, False, intervals=intervals, keys=wide) == (2, False, 2)
     misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
     assert route(128, False, out=misaligned) is None
     monkeypatch.setattr(hopper, "ws_enabled", False)

@@ -1,5 +1,6 @@
 """Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (most
-calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups), and the backward's two passes
+calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups, or three at D64 not causal), and
+the backward's two passes
 (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
 Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
@@ -7,7 +8,7 @@ matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: in the fo
 this block's O += P V are both in flight while the softmax of S runs, and K and V arrive by TMA (the bulk tensor copy
 engine) into rings of shared memory, each buffer refilled as soon as the product that read it has retired. Two
 warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
-the two consumers of one program, which share every K/V tile a third, producer warpgroup loads, and get its registers;
+the consumers of one program, which share every K/V tile a producer warpgroup loads, and get its registers;
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
 backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
@@ -315,19 +316,22 @@ if gluon is not None:
 
 # ----------------------------------------------------------------------------- forward, warp-specialized
 
-# Calls whose output the TMA can store run this forward (see _warp_specialized): a program is three warpgroups, a
-# producer issuing every TMA load and two consumers of 64 query rows each that share every K/V tile (half the shared
-# memory traffic of two 64-row programs), with the intra-warpgroup overlap above; the producer hands its registers to
-# the consumers (setmaxnreg). Persistent programs (one per SM looping over tiles) load the next tile while the
-# consumers finish this one. (K/V ring depth, persistent, fewest keys) per (head dim, causal): the fastest of the
-# variants in .gpu-style A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/
-# h100-attention-experiments.md). Causal stays non-persistent (statically dealt tiles of unequal length left SMs idle:
-# 0.71x at L = 16K). At D64 the forward above keeps the calls with fewer keys: not causal below 2K (1.00x at 1K and
-# 2K in a direct A/B, 0.94-0.95x at 1K against the previous benchmark tables on both cards), causal below 8K (0.76x
-# at 1K, 0.87-0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K: 128-key blocks mask more of the diagonal where a causal
-# row has few blocks).
-_WS_CONFIGS = {(64, False): (3, True, 2048), (64, True): (2, False, 8192), (128, False): (2, True, 0),
-               (128, True): (2, False, 0)}
+# Calls whose output the TMA can store run this forward (see _warp_specialized): a program is a producer warpgroup
+# issuing every TMA load and two or three consumers of 64 query rows each that share every K/V tile (a half or a third
+# of the shared memory traffic of 64-row programs); the producer hands its registers to the consumers (setmaxnreg).
+# Two consumers (232 registers each) run the intra-warpgroup overlap above; three (160 each, D64 not causal, FA3's
+# choice there) run one block at a time, S and P of one block live, and overlap only with each other: against two
+# with the overlap, 1.06-1.14x at D64 L = 2K-16K not causal (H100, session 11; three with the overlap spilled, 0.39x).
+# Persistent programs (one per SM looping over tiles) load the next tile while the consumers finish this one.
+# (K/V ring depth, persistent, consumers, fewest keys) per (head dim, causal): the fastest of the variants in .gpu-style
+# A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/h100-attention-experiments.md).
+# Causal stays non-persistent (statically dealt tiles of unequal length left SMs idle: 0.71x at L = 16K) and with two
+# consumers (three: 0.94x at 2K, 1.02x at 16K). At D64 the forward above keeps the calls with fewer keys: not causal
+# below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous benchmark tables on both cards),
+# causal below 8K (0.76x at 1K, 0.87-0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K: 128-key blocks mask more of the
+# diagonal where a causal row has few blocks).
+_WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, False, 2, 8192), (128, False): (2, True, 2, 0),
+               (128, True): (2, False, 2, 0)}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
@@ -338,15 +342,15 @@ WS_INTERVAL_MIN_KEYS = 4096
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
-                      intervals: tuple | None, keys_per_row: float | None = None) -> tuple[int, bool] | None:
-    """The warp-specialized forward's (ring depth, persistent) for this call, or None where the forward above runs;
-    ``keys_per_row`` as ``applies``'."""
+                      intervals: tuple | None, keys_per_row: float | None = None) -> tuple[int, bool, int] | None:
+    """The warp-specialized forward's (ring depth, persistent, consumers) for this call, or None where the forward
+    above runs; ``keys_per_row`` as ``applies``'."""
     if not ws_enabled or not _tma_compatible(out):
         return None
     if intervals is not None:
-        return (2, False) if keys_per_row is not None and keys_per_row >= WS_INTERVAL_MIN_KEYS else None
-    stages, persistent, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
-    return (stages, persistent) if k.shape[2] >= min_keys else None
+        return (2, False, 2) if keys_per_row is not None and keys_per_row >= WS_INTERVAL_MIN_KEYS else None
+    stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
+    return (stages, persistent, consumers) if k.shape[2] >= min_keys else None
 
 
 @functools.cache
@@ -355,11 +359,11 @@ def _sm_count(device: int) -> int:
 
 
 def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                              intervals: tuple | None, stages: int, persistent: bool) -> None:
+                              intervals: tuple | None, stages: int, persistent: bool, consumers: int) -> None:
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n = 64, 128
-    num_m = cdiv(L, 2 * block_m)
+    num_m = cdiv(L, consumers * block_m)
     num_tiles = num_m * B * H
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
@@ -367,7 +371,7 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: to
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None, STAGES=stages,
-        num_warps=4,
+        CONSUMERS=consumers, num_warps=4,
     )
 
 
@@ -375,25 +379,28 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, layout: gl.constexpr):
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, CONSUMERS: gl.constexpr, layout: gl.constexpr):
         """Tile t's (b*H + h, b, h, key/value head, first row) and key blocks [first, first + n * BLOCK_N): those of
-        either 64-row half (with INTERVALS, the union of theirs). The tiles of one (batch, head) are consecutive
-        (programs running together share its K/V in L2), the longest causal rows first."""
+        any of its CONSUMERS 64-row parts (with INTERVALS, the union of theirs). The tiles of one (batch, head) are
+        consecutive (programs running together share its K/V in L2), the longest causal rows first."""
         bh = t // num_m
         pid_m = t % num_m
         if CAUSAL:
             pid_m = num_m - 1 - pid_m
-        q_lo = pid_m * 2 * BLOCK_M
+        q_lo = pid_m * CONSUMERS * BLOCK_M
         if INTERVALS:
             offs = q_lo + gl.arange(0, BLOCK_M, layout=layout)
-            _, _, first0, n0, _, _ = _block_intervals(RowLo, RowHi, offs, L, S, BLOCK_N)
-            _, _, first1, n1, _, _ = _block_intervals(RowLo, RowHi, offs + BLOCK_M, L, S, BLOCK_N)
-            first = gl.minimum(first0, first1)
-            n = (gl.maximum(first0 + n0 * BLOCK_N, first1 + n1 * BLOCK_N) - first) // BLOCK_N
+            _, _, first, n0, _, _ = _block_intervals(RowLo, RowHi, offs, L, S, BLOCK_N)
+            end = first + n0 * BLOCK_N
+            for c in gl.static_range(1, CONSUMERS):
+                _, _, first_c, n_c, _, _ = _block_intervals(RowLo, RowHi, offs + c * BLOCK_M, L, S, BLOCK_N)
+                first = gl.minimum(first, first_c)
+                end = gl.maximum(end, first_c + n_c * BLOCK_N)
+            n = (end - first) // BLOCK_N
         else:
             first = 0
             if CAUSAL:
-                n = gl.cdiv(gl.minimum(q_lo + 2 * BLOCK_M, S), BLOCK_N)
+                n = gl.cdiv(gl.minimum(q_lo + CONSUMERS * BLOCK_M, S), BLOCK_N)
             else:
                 n = gl.cdiv(S, BLOCK_N)
         h = bh % H
@@ -402,20 +409,21 @@ if gluon is not None:
     @gluon.jit
     def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
                      v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
-        """Every TMA load: a tile's two Q tiles once both consumers are done with the last tile's, then its K and V
-        blocks through STAGES-deep rings, a slot refilled once both consumers released it. Ring positions and
-        barrier phases count blocks across the program's tiles."""
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMERS: gl.constexpr):
+        """Every TMA load: a tile's Q tiles (one a consumer) once every consumer is done with the last tile's, then
+        its K and V blocks through STAGES-deep rings, a slot refilled once every consumer released it. Ring positions
+        and barrier phases count blocks across the program's tiles."""
         rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         kv = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N, CAUSAL,
-                                                    INTERVALS, rows)
+                                                    INTERVALS, CONSUMERS, rows)
             mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
-            mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, q_lo, 0], q_full, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [b, h, q_lo + BLOCK_M, 0], q_full, q_smem.index(1))
+            mbarrier.expect(q_full, CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [b, h, q_lo + c * BLOCK_M, 0], q_full, q_smem.index(c))
             for j in range(n):
                 slot = kv % STAGES
                 mbarrier.wait(k_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
@@ -442,9 +450,10 @@ if gluon is not None:
     def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
                      RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
-        """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings, over the tile's
-        blocks its rows reach (the others released unread), O stored by TMA."""
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
+        consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
+        unread), O stored by TMA."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -460,7 +469,7 @@ if gluon is not None:
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N,
-                                                         CAUSAL, INTERVALS, row_s)
+                                                         CAUSAL, INTERVALS, CONSUMERS, row_s)
             m0 = q_lo + WG * BLOCK_M
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
             if INTERVALS:  # this warpgroup's rows reach key blocks [lo, lo + n * BLOCK_N) of the tile's
@@ -476,39 +485,60 @@ if gluon is not None:
             mbarrier.wait(q_full, phase=i & 1)
             kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, lead, STAGES)
 
-            slot = kv % STAGES
-            mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, m0, S, row_lo, row_hi, seen_lo,
-                                               seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
-            for j in range(1, n):
-                prev, prev_phase = slot, (kv // STAGES) & 1
-                kv += 1
+            if CONSUMERS == 2:
                 slot = kv % STAGES
                 mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
                 s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
-                mbarrier.wait(v_full.index(prev), phase=prev_phase)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                    v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
-                                                   row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
-                                                   s_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, m0, S, row_lo, row_hi, seen_lo,
+                                                   seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
+                for j in range(1, n):
+                    prev, prev_phase = slot, (kv // STAGES) & 1
+                    kv += 1
+                    slot = kv % STAGES
+                    mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                    mbarrier.wait(v_full.index(prev), phase=prev_phase)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                        v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
+                                                       row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
+                                                       s_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
+                mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                    v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
-            mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            kv = _ws_release(k_full, v_full, k_empty, v_empty, kv + 1, n_tile - lead - n, STAGES)
+                mbarrier.arrive(v_empty.index(slot), count=1)
+                kv = _ws_release(k_full, v_full, k_empty, v_empty, kv + 1, n_tile - lead - n, STAGES)
+            else:  # three warpgroups: one's softmax runs under the others' products (S and P of one block live)
+                for j in range(n):
+                    slot = kv % STAGES
+                    mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                      s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
+                                                       row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
+                                                       s_layout)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                        v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(slot), count=1)
+                    kv += 1
+                mbarrier.arrive(q_empty, count=1)
+                kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead - n, STAGES)
             i += 1
 
             if INTERVALS:  # a row without keys: output 0, logsumexp +inf (as the Triton kernel writes)
@@ -530,12 +560,12 @@ if gluon is not None:
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, num_tiles, num_m, H, GROUP, L, S, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr):
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -543,27 +573,44 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=2)  # both consumers release Q
+        mbarrier.init(q_empty, count=CONSUMERS)  # every consumer releases Q
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
         fence_async_shared()
 
         # this program's 4 warps are the producer (the default partition, left with 24-40 registers a thread); the
-        # consumers are 4-warp workers of 232 registers, what a 64 x 128 fp32 O plus S and P in flight need
-        gl.warp_specialize([
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                            v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                            INTERVALS, STAGES)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES)),
-        ], [4, 4], [232, 232])
+        # consumers are 4-warp workers with the rest: 232 registers each for two (a 64 x 128 fp32 O plus S and P in
+        # flight), 160 each for three (D64: a 64 x 64 O)
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
+                                CAUSAL, INTERVALS, STAGES, CONSUMERS)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 2, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+            ], [4, 4, 4], [160, 160, 160])
+        else:
+            gl.warp_specialize([
+                (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
+                                CAUSAL, INTERVALS, STAGES, CONSUMERS)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+            ], [4, 4], [232, 232])
 
 
 # ----------------------------------------------------------------------------- backward: dK and dV

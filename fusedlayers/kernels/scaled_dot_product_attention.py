@@ -1046,20 +1046,20 @@ def attention_backward(
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
-    plain = mask is None and dropout is None and tuple(window) == (-1, -1) and softcap <= 0.0 and intervals is None
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    hopper_ok = mask is None and dropout is None and softcap <= 0.0
+    hopper_ok = mask is None and dropout is None and softcap <= 0.0  # windows and packing come as key intervals
+    dense = tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
         keys_per_row = backend.keys_per_row(S, is_causal, window)
-    hopper_causal, hopper_intervals = is_causal and tuple(window) == (-1, -1), intervals
-    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale, hopper_causal, keys_per_row)
+    hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale,
+                                                    is_causal and tuple(window) == (-1, -1), keys_per_row)
     if hopper_dkdv or hopper_dq:
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
-                                     2 * B * H * L * S * D if plain and is_causal else None))
+                                     2 * B * H * L * S * D if hopper_ok and dense and is_causal else None))
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
