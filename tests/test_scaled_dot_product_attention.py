@@ -1533,12 +1533,14 @@ HOPPER_CASES = [
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
 # three consumers (D64 not causal, from 2K keys: 192-row tiles, L not a multiple), causal D64 (from 8K keys) with
-# L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's)
+# L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's), causal tiles dealt
+# by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads)
 HOPPER_WS_CASES = [
     (4, 8, 8, 1100, 1100, 128, False),
     (3, 8, 4, 1000, 2100, 64, False),
     (2, 16, 16, 2000, 2050, 64, False),
     (1, 2, 1, 300, 8200, 64, True),
+    (3, 4, 2, 700, 700, 128, True),
 ]
 
 

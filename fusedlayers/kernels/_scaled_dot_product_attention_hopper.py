@@ -65,6 +65,10 @@ _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64
 # there; from 2**37 up (L = 1024 not causal, L >= 2048) the forward was 1.01-1.17x and forward+backward 0.99-1.16x
 # in every run but one transient forward sample (benchmarks/results/h100-attention-experiments.md).
 MIN_FLOPS = 2**37
+# The forwards deal causal tiles in groups of this many heads, the longest rows of a group first (``_causal_order``):
+# 1.03-1.10x one head at a time at D128 L 2K-16K (H100; the warp-specialized forward; D64's one-warpgroup forward
+# 0.99-1.02x). The dQ and dK/dV passes keep one head at a time (grouped: 0.96-1.05x, noise either way).
+CAUSAL_HEAD_GROUP = 8
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool,
@@ -141,7 +145,7 @@ def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tens
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, row_lo, row_hi,
         *out.stride(), H, H // k.shape[1], L, S, qk_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
-        INTERVALS=intervals is not None, num_warps=4,
+        INTERVALS=intervals is not None, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
     )
 
 
@@ -183,16 +187,28 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst, pred=pred)
 
     @gluon.jit
+    def _causal_order(t, num_m, num_bh, BH_GROUP: gl.constexpr):
+        """(b * H + h, query block) of causal tile t, tiles dealt in launch order: heads in groups of BH_GROUP, the
+        longest rows of the whole group first. One head's tiles together (BH_GROUP = 1) left the longest tiles of
+        the last heads to the last wave; all heads' longest first (no groups) ran SMs on as many heads as they hold
+        tiles, each streaming its own K/V (0.73-1.01x the first at D128, L 2K-16K; CAUSAL_HEAD_GROUP's)."""
+        group = t // (BH_GROUP * num_m)
+        r = t % (BH_GROUP * num_m)
+        heads = gl.minimum(BH_GROUP, num_bh - group * BH_GROUP)
+        return group * BH_GROUP + r % heads, num_m - 1 - r // heads
+
+    @gluon.jit
     def _query_block(RowLo, RowHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     INTERVALS: gl.constexpr, row_layout: gl.constexpr):
+                     INTERVALS: gl.constexpr, BH_GROUP: gl.constexpr, row_layout: gl.constexpr):
         """A query-block program's (bh, b, h, hk, first row m0, rows offs_m) and the key blocks it visits: [lo, lo +
         n * BLOCK_N), and with INTERVALS the rows' intervals and the keys every row keeps (``_block_intervals``).
         Causal programs take the longest rows first: the short ones fill the last wave."""
         if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+            bh, pid_m = _causal_order(gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.num_programs(0),
+                                      gl.num_programs(1), BH_GROUP)
         else:
             pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
+            bh = gl.program_id(1)
         h = bh % H
         m0 = pid_m * BLOCK_M
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -223,7 +239,7 @@ if gluon is not None:
                          H, GROUP, L, S, qk_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, INTERVALS: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         BH_GROUP: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -234,7 +250,7 @@ if gluon is not None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
         bh, b, h, hk, q_lo, offs_m, row_lo, row_hi, lo, n, seen_lo, seen_hi = _query_block(
-            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, row_s)
+            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, BH_GROUP, row_s)
 
         # the (1, 1, rows, D) tiles the descriptors load, viewed as (rows, D) by the products
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -371,22 +387,24 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: to
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None, STAGES=stages,
-        CONSUMERS=consumers, num_warps=4,
+        CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, CONSUMERS: gl.constexpr, layout: gl.constexpr):
+    def _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr,
+                 layout: gl.constexpr):
         """Tile t's (b*H + h, b, h, key/value head, first row) and key blocks [first, first + n * BLOCK_N): those of
         any of its CONSUMERS 64-row parts (with INTERVALS, the union of theirs). The tiles of one (batch, head) are
         consecutive (programs running together share its K/V in L2), the longest causal rows first."""
-        bh = t // num_m
-        pid_m = t % num_m
         if CAUSAL:
-            pid_m = num_m - 1 - pid_m
+            bh, pid_m = _causal_order(t, num_m, num_tiles // num_m, BH_GROUP)
+        else:
+            bh = t // num_m
+            pid_m = t % num_m
         q_lo = pid_m * CONSUMERS * BLOCK_M
         if INTERVALS:
             offs = q_lo + gl.arange(0, BLOCK_M, layout=layout)
@@ -410,7 +428,7 @@ if gluon is not None:
     def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
                      v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr):
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
         """Every TMA load: a tile's Q tiles (one a consumer) once every consumer is done with the last tile's, then
         its K and V blocks through STAGES-deep rings, a slot refilled once every consumer released it. Ring positions
         and barrier phases count blocks across the program's tiles."""
@@ -418,8 +436,8 @@ if gluon is not None:
         kv = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N, CAUSAL,
-                                                    INTERVALS, CONSUMERS, rows)
+            bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
+                                                    BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, rows)
             mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
             mbarrier.expect(q_full, CONSUMERS * q_desc.block_type.nbytes)
             for c in gl.static_range(CONSUMERS):
@@ -450,7 +468,8 @@ if gluon is not None:
     def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
                      RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                     BH_GROUP: gl.constexpr):
         """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
         consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
         unread), O stored by TMA."""
@@ -468,8 +487,8 @@ if gluon is not None:
         kv = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M, BLOCK_N,
-                                                         CAUSAL, INTERVALS, CONSUMERS, row_s)
+            bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
+                                                         BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, row_s)
             m0 = q_lo + WG * BLOCK_M
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
             if INTERVALS:  # this warpgroup's rows reach key blocks [lo, lo + n * BLOCK_N) of the tile's
@@ -560,7 +579,8 @@ if gluon is not None:
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, num_tiles, num_m, H, GROUP, L, S, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                     BH_GROUP: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -588,28 +608,28 @@ if gluon is not None:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
-                                CAUSAL, INTERVALS, STAGES, CONSUMERS)),
+                                CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 2, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
             ], [4, 4, 4], [160, 160, 160])
         else:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
-                                CAUSAL, INTERVALS, STAGES, CONSUMERS)),
+                                CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS)),
+                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
             ], [4, 4], [232, 232])
 
 
@@ -819,7 +839,7 @@ def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_sca
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
-        num_warps=warps,
+        BH_GROUP=1, num_warps=warps,
     )
 
 
@@ -830,7 +850,8 @@ if gluon is not None:
                             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                             H, GROUP, L, S, qk_scale, scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, num_warps: gl.constexpr):
+                            CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, BH_GROUP: gl.constexpr,
+                            num_warps: gl.constexpr):
         """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
         dQ += dS K (dS from registers)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -843,7 +864,7 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
         bh, b, h, hk, m0, offs_m, row_lo, row_hi, lo, n, seen_lo, seen_hi = _query_block(
-            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, row_s)
+            RowLo, RowHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, BH_GROUP, row_s)
 
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
