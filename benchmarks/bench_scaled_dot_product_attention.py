@@ -3,7 +3,7 @@ FlexAttention (GPU).
 
 Matmul-bound: reports TFLOP/s with FLOPs counted as DESIGN.md says (forward 4*B*H*L*S*D, halved when
 causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory allocated by one
-forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 128, 256}, L = S in {1024, 4096,
+forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 128, 256}, L = S in {1024, 2048, 4096,
 16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
@@ -77,7 +77,7 @@ OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG
 
 def shapes(quick: bool = False):
     for d in (64, 128, 256):
-        for length in ((4096,) if quick else (1024, 4096, 16384)):
+        for length in ((4096,) if quick else (1024, 2048, 4096, 16384)):
             for causal in (False, True):
                 yield TOKENS // length, WIDTH // d, length, d, causal
 
