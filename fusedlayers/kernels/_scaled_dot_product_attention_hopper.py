@@ -36,7 +36,7 @@ import os
 import torch
 
 from fusedlayers import backend
-from fusedlayers.kernels import cdiv
+from fusedlayers.kernels import cdiv, launch
 
 try:
     from triton.experimental import gluon
@@ -141,7 +141,7 @@ def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tens
     block_m, block_n, v_bufs = _CONFIGS[(D, is_causal or intervals is not None)]
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     grid = (cdiv(L, block_m), B * H)
-    _attn_fwd_hopper[grid](
+    launch(_attn_fwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, row_lo, row_hi,
         *out.stride(), H, H // k.shape[1], L, S, qk_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
@@ -383,7 +383,7 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: to
     num_tiles = num_m * B * H
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
-    _attn_fwd_ws[grid](
+    launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None, STAGES=stages,
@@ -686,7 +686,7 @@ def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_s
     block_n, block_m, warps = (_DKDV_CONFIGS if intervals is None else _DKDV_INTERVAL_CONFIGS)[D]
     grid = (cdiv(S, block_n), B * H_kv)
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
-    _attn_bwd_dkdv_hopper[grid](
+    launch(_attn_bwd_dkdv_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         lse, delta, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         qk_scale, scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
@@ -835,7 +835,7 @@ def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_sca
     block_m, block_n, warps = _DQ_CONFIGS[D]
     grid = (cdiv(L, block_m), B * H)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
-    _attn_bwd_dq_hopper[grid](
+    launch(_attn_bwd_dq_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
