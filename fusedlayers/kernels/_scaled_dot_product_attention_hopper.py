@@ -13,12 +13,12 @@ for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two progra
 backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
 products' register operands; a dQ program holds one query block and streams the key blocks. (One pass with dQ added
-in fp32 by ordered TMA reductions, five products a tile instead of seven, was deterministic but 0.53-0.95x of this:
-h100-attention-experiments.md, sessions 8 and 10.)
+in fp32 by ordered TMA reductions, five products a tile instead of seven, was deterministic but 0.51-0.95x of this,
+inline, with a writer partition or pipelined: h100-attention-experiments.md, sessions 8, 10 and 11.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 4096): forward 0.94-1.14x (D128 0.98-1.14x), forward+backward 0.76-0.87x.
+(D 64/128, L >= 2048, H100): forward 0.91-1.26x (causal 0.91-1.02x), forward+backward 0.73-0.91x.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout or softcap, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
