@@ -1532,13 +1532,13 @@ HOPPER_CASES = [
     (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
-# three consumers (D64 not causal, from 2K keys: 192-row tiles, L not a multiple), causal D64 (from 8K keys) with
-# L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's), causal tiles dealt
-# by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads)
+# three consumers (D64 not causal, from 2K keys and rows: 192-row tiles, L not a multiple), causal D64 (from 8K keys)
+# with L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's), causal tiles
+# dealt by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads)
 HOPPER_WS_CASES = [
     (4, 8, 8, 1100, 1100, 128, False),
-    (3, 8, 4, 1000, 2100, 64, False),
-    (2, 16, 16, 2000, 2050, 64, False),
+    (3, 8, 4, 1000, 2100, 64, False),  # fewer rows than THREE_CONSUMERS_MIN_ROWS: two consumers
+    (2, 8, 4, 2100, 2050, 64, False),
     (1, 2, 1, 300, 8200, 64, True),
     (3, 4, 2, 700, 700, 128, True),
 ]
@@ -1569,6 +1569,8 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     check_parity(q, k, v, None, causal)
     stages, persistent, consumers, min_keys = hopper._WS_CONFIGS[(D, causal)]
     assert bool(ws_calls) == (S >= min_keys)
+    if consumers == 3 and L < hopper.THREE_CONSUMERS_MIN_ROWS:
+        stages, consumers = 3, 2
     assert all(call[-3:] == (stages, persistent, consumers) for call in ws_calls)
 
 
@@ -1579,14 +1581,16 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-    def route(d, causal, s=4096, out=None, intervals=None, keys=None):
-        q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
+    def route(d, causal, s=4096, out=None, intervals=None, keys=None, rows=256):
+        q = torch.empty(1, 2, rows, d, dtype=torch.bfloat16)
         k = torch.empty(1, 2, s, d, dtype=torch.bfloat16)
         return hopper._warp_specialized(q, k, causal, q if out is None else out, intervals, keys)
 
     configs = {key: config[:3] for key, config in hopper._WS_CONFIGS.items()}
     assert route(128, False, s=256) == configs[(128, False)] and route(128, True, s=256) == configs[(128, True)]
-    assert route(64, False, s=1024) is None and route(64, False, s=2048) == configs[(64, False)]
+    assert route(64, False, s=1024) is None
+    assert route(64, False, s=2048, rows=2048) == configs[(64, False)] == (4, True, 3)
+    assert route(64, False, s=2048, rows=2047) == (3, True, 2)  # short queries: two consumers
     assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
     intervals, wide = (torch.empty(0),) * 4, hopper.WS_INTERVAL_MIN_KEYS
     for d in (64, 128):

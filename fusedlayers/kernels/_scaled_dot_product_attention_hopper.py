@@ -348,6 +348,10 @@ if gluon is not None:
 # diagonal where a causal row has few blocks).
 _WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, False, 2, 8192), (128, False): (2, True, 2, 0),
                (128, True): (2, False, 2, 0)}
+# Three consumers were measured on L = S calls from 2K rows; on fewer query rows a 192-row tile leaves up to a third of
+# its rows empty (L = 1000: 13% more rows computed than with 128-row tiles, about their gain), so those keep two
+# consumers (session 10's config, 3-deep ring).
+THREE_CONSUMERS_MIN_ROWS = 2048
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
@@ -366,7 +370,11 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     if intervals is not None:
         return (2, False, 2) if keys_per_row is not None and keys_per_row >= WS_INTERVAL_MIN_KEYS else None
     stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
-    return (stages, persistent, consumers) if k.shape[2] >= min_keys else None
+    if k.shape[2] < min_keys:
+        return None
+    if consumers == 3 and q.shape[2] < THREE_CONSUMERS_MIN_ROWS:
+        return 3, persistent, 2
+    return stages, persistent, consumers
 
 
 @functools.cache
