@@ -1,7 +1,6 @@
 """Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (most
 calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups, or three at D64 not causal), and
-the backward's two passes
-(dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
+the backward's two passes (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
 Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
 matrix product. Gluon exposes the asynchronous ``wgmma`` and its wait: in the forward the next block's S = Q K^T and
@@ -202,7 +201,7 @@ if gluon is not None:
                      INTERVALS: gl.constexpr, BH_GROUP: gl.constexpr, row_layout: gl.constexpr):
         """A query-block program's (bh, b, h, hk, first row m0, rows offs_m) and the key blocks it visits: [lo, lo +
         n * BLOCK_N), and with INTERVALS the rows' intervals and the keys every row keeps (``_block_intervals``).
-        Causal programs take the longest rows first: the short ones fill the last wave."""
+        Causal programs take the longest rows first (``_causal_order``): the short ones fill the last wave."""
         if CAUSAL:
             bh, pid_m = _causal_order(gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.num_programs(0),
                                       gl.num_programs(1), BH_GROUP)
@@ -847,7 +846,7 @@ def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_sca
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
-        BH_GROUP=1, num_warps=warps,
+        BH_GROUP=1, num_warps=warps,  # one head at a time (see CAUSAL_HEAD_GROUP)
     )
 
 
