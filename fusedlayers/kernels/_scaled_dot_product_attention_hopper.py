@@ -610,7 +610,9 @@ if gluon is not None:
 
         # this program's 4 warps are the producer (the default partition, left with 24-40 registers a thread); the
         # consumers are 4-warp workers with the rest: 232 registers each for two (a 64 x 128 fp32 O plus S and P in
-        # flight), 160 each for three (D64: a 64 x 64 O)
+        # flight), 160 each for three (D64: a 64 x 64 O). The partition lists are written out: Triton 3.6's Gluon
+        # frontend takes each partition's arguments only as a literal tuple (a tuple variable of them loses the
+        # constexprs; one holding the function does not compile), so the two counts cannot share one list.
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
