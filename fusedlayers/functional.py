@@ -137,11 +137,9 @@ def scaled_dot_product_attention(
         if grouped:
             heads, kv_heads, v_heads = q_batch[-1], k_batch[-1], v_batch[-1]
             batch = tuple(torch.broadcast_shapes(q_batch[:-1], k_batch[:-1], v_batch[:-1]))
-        elif q_batch == k_batch == v_batch:  # the usual call: no broadcast_shapes (~20 us of host time)
-            full = tuple(q_batch)
-        else:
-            full = tuple(torch.broadcast_shapes(q_batch, k_batch, v_batch))
-        if not grouped:
+        else:  # equal batch dims, the usual call, skip broadcast_shapes (~20 us of host time)
+            same = q_batch == k_batch == v_batch
+            full = tuple(q_batch if same else torch.broadcast_shapes(q_batch, k_batch, v_batch))
             batch, heads = (full[:-1], full[-1]) if full else ((), 1)
             kv_heads = v_heads = heads
     except RuntimeError:
