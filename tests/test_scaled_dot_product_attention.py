@@ -1431,6 +1431,8 @@ HOPPER_WINDOW_CASES = [
     (2, 2, 2, 257, 200, 64, False, None, (60, 45), 0.0),  # L > S
     (1, 2, 1, 190, 260, 128, False, None, (-1, 30), 0.0),
     (1, 2, 2, 200, 200, 64, True, None, (20, -1), 0.0),
+    (1, 4, 2, 300, 300, 128, True, None, (70, 0), 25.0),  # soft-capped too
+    (2, 2, 2, 257, 200, 64, False, None, (60, 45), 10.0),
 ]
 
 
@@ -1446,6 +1448,28 @@ def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
+
+# soft-capped dense calls: the one-warpgroup forward (D64 causal, few keys), the warp-specialized one with two
+# consumers (D128) and three (D64 not causal from 2K keys and rows), ragged L != S, GQA
+HOPPER_SOFTCAP_CASES = [
+    (2, 4, 2, 300, 300, 64, True, None, (-1, -1), 20.0),
+    (1, 4, 4, 257, 400, 128, False, None, (-1, -1), 10.0),
+    (1, 4, 2, 700, 700, 128, True, None, (-1, -1), 30.0),
+    (1, 4, 2, 2100, 2050, 64, False, None, (-1, -1), 30.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_SOFTCAP_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}cap{c[9]}")
+def test_cuda_hopper_softcap(case, dtype, monkeypatch):
+    """On Hopper a soft-capped call runs the Gluon kernels (the cap's tanh in each): the forward, dQ, and dK/dV
+    where the plain call runs it (not D64 causal); parity of the output and every gradient."""
+    calls = gluon_kernel_calls(monkeypatch)
+    check_window_softcap(case, dtype, device="cuda")
+    D, causal = case[5], case[6]
+    want = set(GLUON_KERNELS) - ({"attention_backward_dkdv"} if D == 64 and causal else set())
+    assert set(calls) == want
 
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
@@ -1465,7 +1489,7 @@ def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     ws = hopper._forward_warp_specialized
 
     def ws_on_intervals(*args):
-        if args[7] is not None:  # key intervals (a check's dense reference calls are not counted)
+        if args[8] is not None:  # key intervals (a check's dense reference calls are not counted)
             calls.append("_forward_warp_specialized")
         return ws(*args)
 

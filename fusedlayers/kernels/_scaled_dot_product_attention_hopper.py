@@ -19,11 +19,12 @@ Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 20
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
 (D 64/128, L >= 2048, H100): forward 0.91-1.26x (causal 0.91-1.02x), forward+backward 0.73-0.91x.
 
-They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask, dropout or softcap, a positive scale, inputs (and
+They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask or dropout, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
 of at least MIN_FLOPS, and for dK/dV at D64 only not causal. Windows and packed sequences (fl.varlen_attention) come
 as per-row key intervals: the key blocks no row of a query block reaches are skipped, the edge blocks masked.
-Everything else, other GPUs and the interpreter run the Triton kernels, whose logsumexp this forward writes in the
+Gemma 2's soft-cap (``cap_scale`` > 0) is the hardware's tanh on each score, in every kernel (the backward
+multiplies dS by the cap's derivative, 1 - tanh^2, recomputed from the score it already forms). Everything else, other GPUs and the interpreter run the Triton kernels, whose logsumexp this forward writes in the
 same units (natural log, fp32), so either backward takes either forward's output as is.
 """
 
@@ -72,8 +73,8 @@ CAUSAL_HEAD_GROUP = 8
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool,
             keys_per_row: float | None = None) -> bool:
-    """Whether this kernel runs the call: ``plain`` = no mask, dropout or softcap (windows and packed sequences come
-    as key intervals); ``keys_per_row``: with intervals, about how many keys a row attends (else all, or half when
+    """Whether this kernel runs the call: ``plain`` = no mask or dropout (windows and packed sequences come as key
+    intervals, the soft-cap as ``cap_scale``); ``keys_per_row``: with intervals, about how many keys a row attends (else all, or half when
     causal)."""
     if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
         return False
@@ -126,14 +127,16 @@ def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                      intervals: tuple[torch.Tensor, ...] | None = None, keys_per_row: float | None = None) -> None:
+                      intervals: tuple[torch.Tensor, ...] | None = None, keys_per_row: float | None = None,
+                      cap_scale: float = 0.0) -> None:
     """Writes out (B, H, L, D) and lse (B, H, L) (natural log, fp32; +inf for a row without keys) for q (B, H, L, D),
     k/v (B, H_kv, S, D); ``qk_scale``: the softmax scale in base-2 exponent units (the Triton launcher's
     ``_exponent_scale``); ``intervals``: the Triton launcher's (row_lo, row_hi, col_lo, col_hi), B = 1, with about
-    ``keys_per_row`` keys a row."""
+    ``keys_per_row`` keys a row; ``cap_scale`` > 0: soft-capped scores qk_scale * tanh(qk * cap_scale) (qk_scale
+    then the cap in exponent units: the Triton launcher's ``_window_softcap_args``)."""
     ws = _warp_specialized(q, k, is_causal, out, intervals, keys_per_row)
     if ws is not None:
-        _forward_warp_specialized(q, k, v, is_causal, qk_scale, out, lse, intervals, *ws)
+        _forward_warp_specialized(q, k, v, is_causal, qk_scale, cap_scale, out, lse, intervals, *ws)
         return
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -142,21 +145,31 @@ def attention_forward(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tens
     grid = (cdiv(L, block_m), B * H)
     launch(_attn_fwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, row_lo, row_hi,
-        *out.stride(), H, H // k.shape[1], L, S, qk_scale,
+        *out.stride(), H, H // k.shape[1], L, S, qk_scale, cap_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, V_BUFS=v_bufs,
-        INTERVALS=intervals is not None, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
+        INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
     )
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, offs_m, start_n, q_lo, S, row_lo, row_hi, seen_lo, seen_hi,
+    def _tanh(x):
+        """The hardware's tanh.approx.f32 (one special-function instruction, relative error about 2**-11, below the
+        16-bit inputs' own rounding of the score), as the Triton kernels' soft-cap on the GPU."""
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, start_n, q_lo, S, row_lo, row_hi, seen_lo, seen_hi,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr,
-                      s_layout: gl.constexpr):
-        """p = exp2(s * scale - m) with the running max m and sum l updated; alpha rescales the output. INTERVALS:
-        row i keeps keys [row_lo[i], row_hi[i]]; blocks outside [seen_lo, seen_hi] (the keys every row keeps) are
-        masked, and a row may have no key yet (m = -inf: p = alpha = 0)."""
+                      SOFTCAP: gl.constexpr, s_layout: gl.constexpr):
+        """p = exp2(s * scale - m) with the running max m and sum l updated; alpha rescales the output (SOFTCAP: s is
+        first tanh(s * cap_scale), and scale the cap). INTERVALS: row i keeps keys [row_lo[i], row_hi[i]]; blocks
+        outside [seen_lo, seen_hi] (the keys every row keeps) are masked, and a row may have no key yet (m = -inf:
+        p = alpha = 0)."""
+        if SOFTCAP:
+            s = _tanh(s * cap_scale)
         if INTERVALS:
             if start_n < seen_lo or start_n + BLOCK_N - 1 > seen_hi:
                 offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
@@ -235,9 +248,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, RowLo, RowHi, stride_ob, stride_oh, stride_om, stride_od,
-                         H, GROUP, L, S, qk_scale,
+                         H, GROUP, L, S, qk_scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, INTERVALS: gl.constexpr,
+                         EVEN_S: gl.constexpr, V_BUFS: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                          BH_GROUP: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -283,8 +296,8 @@ if gluon is not None:
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _load(k_desc, b, hk, lo + 2 * BLOCK_N, k_bar.index(0), k_smem.index(0), 2 < n)  # K_0 read: takes K_2
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, q_lo, S, row_lo, row_hi, seen_lo,
-                                           seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo, q_lo, S, row_lo, row_hi,
+                                           seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, s_layout)
         for j in range(1, n):
             buf = j % 2
             prev = (j - 1) % V_BUFS
@@ -296,8 +309,9 @@ if gluon is not None:
                                 v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
             _load(k_desc, b, hk, lo + (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, q_lo, S, row_lo,
-                                               row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo + j * BLOCK_N, q_lo, S,
+                                               row_lo, row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
+                                               SOFTCAP, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _load(v_desc, b, hk, lo + (j - 1 + V_BUFS) * BLOCK_N, v_bar.index(prev), v_smem.index(prev),
                   j - 1 + V_BUFS < n)
@@ -381,8 +395,9 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                              intervals: tuple | None, stages: int, persistent: bool, consumers: int) -> None:
+def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_scale: float, out: torch.Tensor,
+                              lse: torch.Tensor, intervals: tuple | None, stages: int, persistent: bool,
+                              consumers: int) -> None:
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n = 64, 128
@@ -392,9 +407,9 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, out: to
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
-        row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None, STAGES=stages,
-        CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
+        row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None,
+        SOFTCAP=cap_scale > 0.0, STAGES=stages, CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
     )
 
 
@@ -473,10 +488,10 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
-                     RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, WG: gl.constexpr,
+                     RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale, WG: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                     BH_GROUP: gl.constexpr):
+                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
         """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
         consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
         unread), O stored by TMA."""
@@ -518,8 +533,9 @@ if gluon is not None:
                                   use_acc=False, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo, m0, S, row_lo, row_hi, seen_lo,
-                                                   seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, s_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo, m0, S, row_lo, row_hi,
+                                                   seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                                   s_layout)
                 for j in range(1, n):
                     prev, prev_phase = slot, (kv // STAGES) & 1
                     kv += 1
@@ -532,9 +548,9 @@ if gluon is not None:
                                         v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
                     mbarrier.arrive(k_empty.index(slot), count=1)
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
-                                                       row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
-                                                       s_layout)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo + j * BLOCK_N, m0,
+                                                       S, row_lo, row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S,
+                                                       INTERVALS, SOFTCAP, s_layout)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -553,9 +569,9 @@ if gluon is not None:
                                       s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     mbarrier.arrive(k_empty.index(slot), count=1)
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + j * BLOCK_N, m0, S, row_lo,
-                                                       row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
-                                                       s_layout)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo + j * BLOCK_N, m0,
+                                                       S, row_lo, row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S,
+                                                       INTERVALS, SOFTCAP, s_layout)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
                     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
@@ -585,9 +601,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, num_tiles, num_m, H, GROUP, L, S, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                     BH_GROUP: gl.constexpr):
+                     cap_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -619,14 +635,17 @@ if gluon is not None:
                                 k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
                                 CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
+                                0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
+                                CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
+                                1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
+                                CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 2, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
+                                2, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
+                                CONSUMERS, BH_GROUP)),
             ], [4, 4, 4], [160, 160, 160])
         else:
             gl.warp_specialize([
@@ -634,11 +653,13 @@ if gluon is not None:
                                 k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
                                 CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 0, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
+                                0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
+                                CONSUMERS, BH_GROUP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, 1, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
+                                1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
+                                CONSUMERS, BH_GROUP)),
             ], [4, 4], [232, 232])
 
 
@@ -685,11 +706,11 @@ def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: boo
 
 
 def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
-                            dk: torch.Tensor, dv: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None
-                            ) -> None:
+                            dk: torch.Tensor, dv: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None,
+                            cap_scale: float = 0.0) -> None:
     """Writes dK, dV (any strides) for q (B, H, L, D), k/v (B, H_kv, S, D); ``lse`` (natural log) and ``delta``
     (rowsum(dO * O)) fp32 (B, H, L) contiguous; ``qk_scale`` in base-2 units, ``scale`` the softmax scale;
-    ``intervals`` as ``attention_forward``'s."""
+    ``intervals`` and ``cap_scale`` as ``attention_forward``'s."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m, warps = (_DKDV_CONFIGS if intervals is None else _DKDV_INTERVAL_CONFIGS)[D]
@@ -698,8 +719,8 @@ def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_s
     launch(_attn_bwd_dkdv_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         lse, delta, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
-        qk_scale, scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
-        INTERVALS=intervals is not None, num_warps=warps,
+        qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
+        INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, num_warps=warps,
     )
 
 
@@ -709,12 +730,14 @@ if gluon is not None:
     def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DK, DV, RowLo, RowHi, ColLo, ColHi,
                               stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                               stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                              H, GROUP, L, S, qk_scale, scale,
+                              H, GROUP, L, S, qk_scale, scale, cap_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, num_warps: gl.constexpr):
+                              CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                              num_warps: gl.constexpr):
         """One key block: S^T = K Q^T and dP^T = V dO^T for each query block (of every query head sharing this
         key head), P^T = exp(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, all in transposed
-        (key x query) tiles so that P^T and dS^T feed the next products from registers."""
+        (key x query) tiles so that P^T and dS^T feed the next products from registers. SOFTCAP: S^T is
+        tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -787,6 +810,8 @@ if gluon is not None:
             mbarrier.wait(do_bar.index(buf), phase=phase)
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            if SOFTCAP:
+                s_t = _tanh(s_t * cap_scale)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
             if CAUSAL:
                 if m0 < n0 + BLOCK_N:  # only the blocks that cross the diagonal pay for the mask
@@ -799,6 +824,8 @@ if gluon is not None:
                             & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(row_hi, 0)))
                     p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
+            if SOFTCAP:  # through the cap to the raw score, folded in now so that tanh's tile dies here
+                p_t = p_t * (1.0 - s_t * s_t)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_tile, dk, is_async=True)
@@ -837,7 +864,8 @@ dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
 
 def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
-                          dq: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None) -> None:
+                          dq: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None,
+                          cap_scale: float = 0.0) -> None:
     """Writes dQ (any strides); arguments as ``attention_backward_dkdv``'s."""
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -846,8 +874,9 @@ def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_sca
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     launch(_attn_bwd_dq_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale,
+        lse, delta, dq, row_lo, row_hi, *dq.stride(), H, H // k.shape[1], L, S, qk_scale, scale, cap_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
+        SOFTCAP=cap_scale > 0.0,
         BH_GROUP=1, num_warps=warps,  # one head at a time (see CAUSAL_HEAD_GROUP)
     )
 
@@ -857,12 +886,12 @@ if gluon is not None:
     @gluon.jit
     def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, RowLo, RowHi,
                             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                            H, GROUP, L, S, qk_scale, scale,
+                            H, GROUP, L, S, qk_scale, scale, cap_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, BH_GROUP: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                            BH_GROUP: gl.constexpr, num_warps: gl.constexpr):
         """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
-        dQ += dS K (dS from registers)."""
+        dQ += dS K (dS from registers). SOFTCAP: as the dK/dV kernel's."""
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -913,6 +942,8 @@ if gluon is not None:
             dp = warpgroup_mma(do_tile, v_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            if SOFTCAP:
+                s = _tanh(s * cap_scale)
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
             if CAUSAL:
                 if j * BLOCK_N + BLOCK_N > m0:  # only the blocks that cross the diagonal pay for the mask
@@ -924,6 +955,8 @@ if gluon is not None:
                     offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=col_s), 0)
                     p = gl.where((offs_n >= gl.expand_dims(row_lo, 1)) & (offs_n <= gl.expand_dims(row_hi, 1)),
                                  p, 0.0)
+            if SOFTCAP:  # through the cap to the raw score (masked scores: p = 0 already)
+                p = p * (1.0 - s * s)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
             # this slot's V is read: it takes block j + 2's
             _load(v_desc, b, hk, lo + (j + 2) * BLOCK_N, v_bar.index(buf), v_smem.index(buf), j + 2 < n)

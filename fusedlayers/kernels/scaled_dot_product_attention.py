@@ -912,6 +912,15 @@ def _window_softcap_args(dtype: torch.dtype, scale: float, window: tuple[int, in
     return int(window[0]), int(window[1]), scale / softcap, softcap * (1.0 if dtype == torch.float32 else LOG2E)
 
 
+def _hopper_scales(dtype: torch.dtype, scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_scale) for the Hopper kernels: scores qk * qk_scale in exponent units, or soft-capped
+    qk_scale * tanh(qk * cap_scale) (cap_scale > 0: qk_scale is then the cap in those units)."""
+    if softcap <= 0.0:
+        return _exponent_scale(dtype, scale), 0.0
+    _, _, cap_scale, cap_mult = _window_softcap_args(dtype, scale, (-1, -1), softcap)
+    return cap_mult, cap_scale
+
+
 def _hopper_masks(L: int, S: int, is_causal: bool, window: tuple[int, int], intervals: tuple | None,
                   device: torch.device) -> tuple[bool, tuple | None]:
     """(causal, intervals) for the Hopper kernels, which take a window as per-row key intervals."""
@@ -965,13 +974,13 @@ def attention_forward(
         lse = torch.empty((B, H, L), dtype=lse_dtype, device=q.device)
     if out.numel() == 0:
         return out, lse
-    hopper_ok = mask is None and dropout is None and softcap <= 0.0
+    hopper_ok = mask is None and dropout is None
     if keys_per_row is None:
         keys_per_row = backend.keys_per_row(S, is_causal, window)
     if hopper.enabled and hopper.applies(q, k, v, hopper_ok, scale, is_causal, keys_per_row):
         causal, intervals = _hopper_masks(L, S, is_causal, window, intervals, q.device)
-        hopper.attention_forward(q, k, v, causal, _exponent_scale(q.dtype, scale), out, lse, intervals,
-                                 keys_per_row)
+        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
+        hopper.attention_forward(q, k, v, causal, qk_scale, out, lse, intervals, keys_per_row, cap_scale)
         return out, lse
     cfg = kernel_config("fwd", q.device, q.dtype, D, DV, is_causal, mask is not None)
     mask_t, ms, mask_bool = _mask_args(mask, q)
@@ -1048,7 +1057,7 @@ def attention_backward(
         )
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
-    hopper_ok = mask is None and dropout is None and softcap <= 0.0  # windows and packing come as key intervals
+    hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     dense = tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
         keys_per_row = backend.keys_per_row(S, is_causal, window)
@@ -1059,7 +1068,8 @@ def attention_backward(
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
-                                     2 * B * H * L * S * D if hopper_ok and dense and is_causal else None))
+                                     2 * B * H * L * S * D if hopper_ok and softcap <= 0.0 and dense and is_causal
+                                 else None))
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
@@ -1067,8 +1077,9 @@ def attention_backward(
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if gluon_dkdv:
-        hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal,
-                                       _exponent_scale(q.dtype, scale), scale, dk, dv, hopper_intervals)
+        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
+        hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dk, dv,
+                                       hopper_intervals, cap_scale)
     elif need_dk or need_dv or need_dmask:
         cfg = kernel_config("dkdv", dev, q.dtype, D, DV, is_causal, mask is not None, sparse, atomic_dq)
         dk_t, dv_t = dk if need_dk else k, dv if need_dv else v
@@ -1082,8 +1093,9 @@ def attention_backward(
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
     elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
-        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, _exponent_scale(q.dtype, scale),
-                                     scale, dq, hopper_intervals)
+        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
+        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
+                                     hopper_intervals, cap_scale)
     elif need_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
