@@ -24,8 +24,9 @@ the output's gradient) the TMA can describe (last dim contiguous, other strides 
 of at least MIN_FLOPS, and for dK/dV at D64 only not causal. Windows and packed sequences (fl.varlen_attention) come
 as per-row key intervals: the key blocks no row of a query block reaches are skipped, the edge blocks masked.
 Gemma 2's soft-cap (``cap_scale`` > 0) is the hardware's tanh on each score, in every kernel (the backward
-multiplies dS by the cap's derivative, 1 - tanh^2, recomputed from the score it already forms). Everything else, other GPUs and the interpreter run the Triton kernels, whose logsumexp this forward writes in the
-same units (natural log, fp32), so either backward takes either forward's output as is.
+multiplies dS by the cap's derivative, 1 - tanh^2, of the score it already forms). Everything else, other GPUs and
+the interpreter run the Triton kernels, whose logsumexp this forward writes in the same units (natural log, fp32), so
+either backward takes either forward's output as is.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ CAUSAL_HEAD_GROUP = 8
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scale: float, is_causal: bool,
             keys_per_row: float | None = None) -> bool:
     """Whether this kernel runs the call: ``plain`` = no mask or dropout (windows and packed sequences come as key
-    intervals, the soft-cap as ``cap_scale``); ``keys_per_row``: with intervals, about how many keys a row attends (else all, or half when
-    causal)."""
+    intervals, the soft-cap as ``cap_scale``); ``keys_per_row``: with intervals, about how many keys a row attends
+    (else all, or half when causal)."""
     if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
