@@ -1481,7 +1481,9 @@ def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
-    monkeypatch.setattr(hopper, "WS_INTERVAL_MIN_KEYS", 0 if ws_on_intervals else float("inf"))
+    min_keys = 0 if ws_on_intervals else float("inf")
+    monkeypatch.setattr(hopper, "_WS_INTERVAL_CONFIGS",
+                        {d: (*config[:3], min_keys) for d, config in hopper._WS_INTERVAL_CONFIGS.items()})
     calls = []
     for name in GLUON_KERNELS:
         kernel = getattr(hopper, name)
@@ -1601,7 +1603,7 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
     """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
     at D64/D128 with its per-shape config, not D64 with few keys; key intervals (windows, packed sequences) one
-    program a tile from WS_INTERVAL_MIN_KEYS keys a row; not an output the TMA cannot store to, nor with the switch
+    per head dim from _WS_INTERVAL_CONFIGS's keys a row; not an output the TMA cannot store to, nor with the switch
     off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
@@ -1616,11 +1618,13 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(64, False, s=2048, rows=2048) == configs[(64, False)] == (4, True, 3)
     assert route(64, False, s=2048, rows=2047) == (3, True, 2)  # short queries: two consumers
     assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
-    intervals, wide = (torch.empty(0),) * 4, hopper.WS_INTERVAL_MIN_KEYS
+    intervals = (torch.empty(0),) * 4
+    assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
     for d in (64, 128):
+        *config, wide = hopper._WS_INTERVAL_CONFIGS[d]
         assert route(d, False, intervals=intervals) is None  # the width unknown
         assert route(d, False, intervals=intervals, keys=wide - 1) is None
-        assert route(d, False, intervals=intervals, keys=wide) == (2, False, 2)
+        assert route(d, False, intervals=intervals, keys=wide) == tuple(config)
     misaligned = torch.empty(1 * 2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
     assert route(128, False, out=misaligned) is None
     monkeypatch.setattr(hopper, "ws_enabled", False)

@@ -369,10 +369,14 @@ THREE_CONSUMERS_MIN_ROWS = 2048
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 
 
-# Key intervals (windows, packed sequences) too, one program a tile, from this many keys a row up: against the forward
-# above (H200, 16K tokens, H*D = 2048) window 4096 1.10x (D128) / 1.03x (D64), window 1024 1.02x / 0.84x, the
-# benchmark's documents (1331 keys a row by the estimate) 0.94x / 0.78x: short intervals waste more of 128-key blocks.
-WS_INTERVAL_MIN_KEYS = 4096
+# Key intervals (windows, packed sequences) too, (K/V ring depth, persistent, consumers, fewest keys a row) per head
+# dim, keys a row as the ops estimate them (a window's width, or half the longest sequence when causal). Against the
+# forward above (.gpu/iv_ab.py, .gpu/docs_ab.py; H100, 16K-32K tokens, H*D = 2048): D128 one program a tile from 2048
+# keys, window 2048 1.14x, 4096 1.01x, documents of up to 4-5.5K tokens 0.97-1.08x (window 1024 0.96x, the
+# benchmark's documents of up to 2663 tokens 0.93x: short intervals waste more of 128-key blocks); D64 persistent from
+# 4096 keys, window 4096 1.04x (one program a tile: 1.01x; H200 1.03x), documents with a 4096 window 1.00x
+# (persistent programs are dealt tiles statically; at D64 window 2048 and documents below 4096 keys 0.97-1.03x).
+_WS_INTERVAL_CONFIGS = {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
@@ -382,7 +386,8 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     if not ws_enabled or not _tma_compatible(out):
         return None
     if intervals is not None:
-        return (2, False, 2) if keys_per_row is not None and keys_per_row >= WS_INTERVAL_MIN_KEYS else None
+        *config, min_keys = _WS_INTERVAL_CONFIGS[q.shape[-1]]
+        return tuple(config) if keys_per_row is not None and keys_per_row >= min_keys else None
     stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     if k.shape[2] < min_keys:
         return None
