@@ -1558,15 +1558,18 @@ HOPPER_CASES = [
     (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
-# three consumers (D64 not causal, from 2K keys and rows: 192-row tiles, L not a multiple), causal D64 (from 8K keys)
+# three consumers (D64 not causal, from 2K keys and rows: 192-row tiles, L not a multiple), causal D64 (from 2K keys)
 # with L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's), causal tiles
-# dealt by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads)
+# dealt by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads), persistent causal programs taking
+# several scheduled tiles each (more tiles than SMs)
 HOPPER_WS_CASES = [
     (4, 8, 8, 1100, 1100, 128, False),
     (3, 8, 4, 1000, 2100, 64, False),  # fewer rows than THREE_CONSUMERS_MIN_ROWS: two consumers
     (2, 8, 4, 2100, 2050, 64, False),
     (1, 2, 1, 300, 8200, 64, True),
     (3, 4, 2, 700, 700, 128, True),
+    (4, 8, 4, 2100, 2100, 64, True),
+    (2, 16, 8, 1500, 1500, 128, True),
 ]
 
 
@@ -1617,7 +1620,8 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(64, False, s=1024) is None
     assert route(64, False, s=2048, rows=2048) == configs[(64, False)] == (4, True, 3)
     assert route(64, False, s=2048, rows=2047) == (3, True, 2)  # short queries: two consumers
-    assert route(64, True) is None and route(64, True, s=8192) == configs[(64, True)]
+    assert route(64, True, s=2047) is None and route(64, True, s=2048) == configs[(64, True)] == (3, True, 2)
+    assert configs[(128, True)] == (2, True, 2)  # causal persistent too, its tiles dealt by _causal_schedule
     intervals = (torch.empty(0),) * 4
     assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
     for d in (64, 128):
@@ -1629,6 +1633,32 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(128, False, out=misaligned) is None
     monkeypatch.setattr(hopper, "ws_enabled", False)
     assert route(128, False) is None
+
+
+def test_causal_schedule_deals_every_tile_once_and_evenly():
+    """The persistent causal forward's tile table (host logic, runs on the CPU): every tile once, each program's in
+    launch order, and the programs' loads (key blocks + overhead) within one tile's cost of each other."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    for num_m, num_bh, S, consumers, programs in ((16, 128, 2048, 2, 132), (11, 12, 2100, 3, 132), (3, 2, 8200, 2, 6),
+                                                   (128, 16, 16384, 2, 132)):
+        table = hopper._causal_schedule(num_m, num_bh, S, consumers, programs, torch.device("cpu")).tolist()
+        start, order = table[:programs + 1], table[programs + 1:]
+        assert start[0] == 0 and start[-1] == num_m * num_bh and sorted(order) == list(range(num_m * num_bh))
+        rows, loads, costs = consumers * 64, [], []
+        for p in range(programs):
+            mine = order[start[p]:start[p + 1]]
+            assert mine == sorted(mine)
+            cost = []
+            for t in mine:
+                r = t % (hopper.CAUSAL_HEAD_GROUP * num_m)
+                heads = min(hopper.CAUSAL_HEAD_GROUP, num_bh - t // (hopper.CAUSAL_HEAD_GROUP * num_m)
+                            * hopper.CAUSAL_HEAD_GROUP)
+                q_hi = (num_m - r // heads) * rows
+                cost.append(-(-min(q_hi, S) // 128) + hopper.TILE_OVERHEAD_BLOCKS)
+            loads.append(sum(cost))
+            costs += cost
+        assert max(loads) - min(loads) <= max(costs)
 
 
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [

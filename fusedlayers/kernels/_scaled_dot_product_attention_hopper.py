@@ -32,6 +32,8 @@ either backward takes either forward's output as is.
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import os
 
 import torch
@@ -355,18 +357,22 @@ if gluon is not None:
 # Persistent programs (one per SM looping over tiles) load the next tile while the consumers finish this one.
 # (K/V ring depth, persistent, consumers, fewest keys) per (head dim, causal): the fastest of the variants in .gpu-style
 # A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/h100-attention-experiments.md).
-# Causal stays non-persistent (statically dealt tiles of unequal length left SMs idle: 0.71x at L = 16K) and with two
-# consumers (three: 0.94x at 2K, 1.02x at 16K). At D64 the forward above keeps the calls with fewer keys: not causal
-# below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous benchmark tables on both cards),
-# causal below 8K (0.76x at 1K, 0.87-0.88x at 2K, 0.97x at 4K, 1.02-1.06x from 8K: 128-key blocks mask more of the
-# diagonal where a causal row has few blocks).
-_WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, False, 2, 8192), (128, False): (2, True, 2, 0),
-               (128, True): (2, False, 2, 0)}
+# Causal programs are persistent too, each taking the tiles ``_causal_schedule`` deals it (every programs-th tile
+# left the long ones of each head group to the same programs: 0.74-0.91x of one program a tile at D128), with two
+# consumers (three: 0.94x at 2K, 1.02x at 16K). Against one program a tile (.gpu/ws_causal.py, H100, session 12):
+# D128 1.07x / 1.03x / 0.99x at L = 2K / 4K / 16K; D64 with a 3-deep ring 1.06x / 1.10x / 1.04x / 1.04x at 2K / 4K /
+# 8K / 16K against today's routing then (the forward above below 8K keys). At D64 the forward above keeps the calls
+# with fewer keys: not causal below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous
+# benchmark tables on both cards), causal below 2K (128-key blocks mask more of the diagonal where a causal row has
+# few blocks).
+_WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (3, True, 2, 2048), (128, False): (2, True, 2, 0),
+               (128, True): (2, True, 2, 0)}
 # Three consumers were measured on L = S calls from 2K rows; on fewer query rows a 192-row tile leaves up to a third of
 # its rows empty (L = 1000: 13% more rows computed than with 128-row tiles, about their gain), so those keep two
 # consumers (session 10's config, 3-deep ring).
 THREE_CONSUMERS_MIN_ROWS = 2048
 ws_enabled = True  # False: the forward above for every call (A/B timing)
+ws_schedule = True  # persistent causal programs take their tiles from _causal_schedule's table (A/B switch)
 
 
 # Key intervals (windows, packed sequences) too, (K/V ring depth, persistent, consumers, fewest keys a row) per head
@@ -396,6 +402,33 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     return stages, persistent, consumers
 
 
+# The schedule's cost of a tile: its key blocks plus this many for its Q load, first product and O store.
+TILE_OVERHEAD_BLOCKS = 2
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_schedule(num_m: int, num_bh: int, S: int, consumers: int, programs: int,
+                     device: torch.device) -> torch.Tensor:
+    """Which causal tiles each persistent program takes, as the GPU's block scheduler would deal them to programs of
+    one tile each: the tiles in launch order (``_causal_order``: groups of heads, longest rows first), each to the
+    program that frees up first by the tiles' key blocks. int32 [start (programs + 1) | tiles by program]. Dealing
+    every programs-th tile instead left the long tiles of each group to the same programs (0.74-0.91x of one program a
+    tile at D128). Built once per shape (a model's layers share it)."""
+    rows = consumers * 64
+    group = CAUSAL_HEAD_GROUP * num_m
+    free = [(0, p) for p in range(programs)]
+    tiles: list[list[int]] = [[] for _ in range(programs)]
+    for t in range(num_m * num_bh):
+        r = t % group
+        heads = min(CAUSAL_HEAD_GROUP, num_bh - (t // group) * CAUSAL_HEAD_GROUP)
+        q_hi = (num_m - r // heads) * rows  # one past the tile's last row
+        busy, p = heapq.heappop(free)
+        tiles[p].append(t)
+        heapq.heappush(free, (busy + cdiv(min(q_hi, S), 128) + TILE_OVERHEAD_BLOCKS, p))
+    start = list(itertools.accumulate((len(x) for x in tiles), initial=0))
+    return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
+
+
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -411,11 +444,14 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
     num_tiles = num_m * B * H
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
+    scheduled = ws_schedule and persistent and is_causal and intervals is None
+    schedule = _causal_schedule(num_m, B * H, S, consumers, grid[0], q.device) if scheduled else lse
     launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
-        row_lo, row_hi, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None,
-        SOFTCAP=cap_scale > 0.0, STAGES=stages, CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP, num_warps=4,
+        row_lo, row_hi, schedule, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None,
+        SOFTCAP=cap_scale > 0.0, STAGES=stages, CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP,
+        SCHEDULE=scheduled, num_warps=4,
     )
 
 
@@ -453,17 +489,37 @@ if gluon is not None:
         return bh, bh // H, h, h // GROUP, q_lo, first, n
 
     @gluon.jit
+    def _ws_tiles(num_tiles, Schedule, SCHEDULE: gl.constexpr):
+        """(first, count) of this program's tiles: every num_programs-th from its id, or with SCHEDULE its slice
+        [start[p], start[p + 1]) of the host's table (``_causal_schedule``)."""
+        p = gl.program_id(0)
+        if SCHEDULE:
+            first = gl.load(Schedule + p)
+            return first, gl.load(Schedule + p + 1) - first
+        P = gl.num_programs(0)
+        return 0, (num_tiles - p + P - 1) // P
+
+    @gluon.jit
+    def _ws_tile_id(first, r, Schedule, SCHEDULE: gl.constexpr):
+        """The r-th tile of this program (``_ws_tiles``)."""
+        if SCHEDULE:
+            return gl.load(Schedule + gl.num_programs(0) + 1 + first + r)
+        return gl.program_id(0) + r * gl.num_programs(0)
+
+    @gluon.jit
     def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                     v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
+                     v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
         """Every TMA load: a tile's Q tiles (one a consumer) once every consumer is done with the last tile's, then
         its K and V blocks through STAGES-deep rings, a slot refilled once every consumer released it. Ring positions
         and barrier phases count blocks across the program's tiles."""
         rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         kv = 0
         i = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        mine, count = _ws_tiles(num_tiles, Schedule, SCHEDULE)
+        for r in range(count):
+            t = _ws_tile_id(mine, r, Schedule, SCHEDULE)
             bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
                                                     BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, rows)
             mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
@@ -494,10 +550,10 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty, v_empty, Lse,
-                     RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale, WG: gl.constexpr,
+                     RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale, WG: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
         """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
         consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
         unread), O stored by TMA."""
@@ -514,7 +570,9 @@ if gluon is not None:
 
         kv = 0
         i = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        mine, count = _ws_tiles(num_tiles, Schedule, SCHEDULE)
+        for r in range(count):
+            t = _ws_tile_id(mine, r, Schedule, SCHEDULE)
             bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
                                                          BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, row_s)
             m0 = q_lo + WG * BLOCK_M
@@ -606,10 +664,10 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, num_tiles, num_m, H, GROUP, L, S, qk_scale,
-                     cap_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, H, GROUP, L, S,
+                     qk_scale, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr):
+                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -638,34 +696,34 @@ if gluon is not None:
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                                k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
-                                CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
-                                CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
+                                cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
-                                CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
+                                cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
-                                2, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
-                                CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
+                                cap_scale, 2, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
             ], [4, 4, 4], [160, 160, 160])
         else:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                                k_empty, v_empty, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, BLOCK_M, BLOCK_N,
-                                CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP)),
+                                k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
-                                CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
+                                cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
-                                v_empty, Lse, RowLo, RowHi, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, STAGES,
-                                CONSUMERS, BH_GROUP)),
+                                v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
+                                cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
             ], [4, 4], [232, 232])
 
 
