@@ -1600,6 +1600,7 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     assert bool(ws_calls) == (S >= min_keys)
     if consumers == 3 and L < hopper.THREE_CONSUMERS_MIN_ROWS:
         stages, consumers = 3, 2
+    persistent = persistent and not (causal and S > hopper.PERSISTENT_CAUSAL_MAX_KEYS[D])
     assert all(call[-3:] == (stages, persistent, consumers) for call in ws_calls)
 
 
@@ -1622,6 +1623,7 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(64, False, s=2048, rows=2047) == (3, True, 2)  # short queries: two consumers
     assert route(64, True, s=2047) is None and route(64, True, s=2048) == configs[(64, True)] == (3, True, 2)
     assert configs[(128, True)] == (2, True, 2)  # causal persistent too, its tiles dealt by _causal_schedule
+    assert route(128, True, s=8192) == (2, True, 2) and route(128, True, s=8193) == (2, False, 2)
     intervals = (torch.empty(0),) * 4
     assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
     for d in (64, 128):

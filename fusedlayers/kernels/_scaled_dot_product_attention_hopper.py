@@ -367,6 +367,9 @@ if gluon is not None:
 # few blocks).
 _WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (3, True, 2, 2048), (128, False): (2, True, 2, 0),
                (128, True): (2, True, 2, 0)}
+# D128 causal calls with more keys than this keep one program a tile: persistent 0.96-0.99x there at 16K (three runs),
+# 1.03-1.07x at 2K-4K.
+PERSISTENT_CAUSAL_MAX_KEYS = {64: float("inf"), 128: 8192}
 # Three consumers were measured on L = S calls from 2K rows; on fewer query rows a 192-row tile leaves up to a third of
 # its rows empty (L = 1000: 13% more rows computed than with 128-row tiles, about their gain), so those keep two
 # consumers (session 10's config, 3-deep ring).
@@ -397,13 +400,16 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     if k.shape[2] < min_keys:
         return None
+    if is_causal and k.shape[2] > PERSISTENT_CAUSAL_MAX_KEYS[q.shape[-1]]:
+        persistent = False
     if consumers == 3 and q.shape[2] < THREE_CONSUMERS_MIN_ROWS:
         return 3, persistent, 2
     return stages, persistent, consumers
 
 
-# The schedule's cost of a tile: its key blocks plus this many for its Q load, first product and O store.
-TILE_OVERHEAD_BLOCKS = 2
+# The schedule's cost of a tile: its key blocks plus this many for its Q load, first product and O store (0, 1, 2 and
+# 4 within 3% of each other; 1 the best in 6 of 6 causal shapes, by 1-4%).
+TILE_OVERHEAD_BLOCKS = 1
 
 
 @functools.lru_cache(maxsize=32)
