@@ -1558,7 +1558,7 @@ HOPPER_CASES = [
     (1, 4, 4, 1000, 600, 64, True),  # 64 x 64 tiles (causal D64, short): rows past S see every key
 ]
 # the warp-specialized forward's own edges: persistent programs looping over several tiles (more tiles than SMs),
-# three consumers (D64 not causal, from 2K keys and rows: 192-row tiles, L not a multiple), causal D64 (from 2K keys)
+# three consumers (D64, from 2K keys and rows: 192-row tiles, L not a multiple; causal too), causal D64 (from 2K keys)
 # with L < S (tiles of one or two key blocks, a consumer whose rows end a block before its partner's), causal tiles
 # dealt by groups of CAUSAL_HEAD_GROUP heads with a partial last group (12 heads), persistent causal programs taking
 # several scheduled tiles each (more tiles than SMs)
@@ -1621,7 +1621,9 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(64, False, s=1024) is None
     assert route(64, False, s=2048, rows=2048) == configs[(64, False)] == (4, True, 3)
     assert route(64, False, s=2048, rows=2047) == (3, True, 2)  # short queries: two consumers
-    assert route(64, True, s=2047) is None and route(64, True, s=2048) == configs[(64, True)] == (3, True, 2)
+    assert route(64, True, s=2047) is None
+    assert route(64, True, s=2048, rows=2048) == configs[(64, True)] == (2, True, 3)
+    assert route(64, True, s=2048, rows=2047) == (3, True, 2)
     assert configs[(128, True)] == (2, True, 2)  # causal persistent too, its tiles dealt by _causal_schedule
     assert route(128, True, s=8192) == (2, True, 2) and route(128, True, s=8193) == (2, False, 2)
     intervals = (torch.empty(0),) * 4

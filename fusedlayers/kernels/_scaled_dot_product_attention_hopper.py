@@ -358,14 +358,15 @@ if gluon is not None:
 # (K/V ring depth, persistent, consumers, fewest keys) per (head dim, causal): the fastest of the variants in .gpu-style
 # A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/h100-attention-experiments.md).
 # Causal programs are persistent too, each taking the tiles ``_causal_schedule`` deals it (every programs-th tile
-# left the long ones of each head group to the same programs: 0.74-0.91x of one program a tile at D128), with two
-# consumers (three: 0.94x at 2K, 1.02x at 16K). Against one program a tile (.gpu/ws_causal.py, H100, session 12):
-# D128 1.07x / 1.03x / 0.99x at L = 2K / 4K / 16K; D64 with a 3-deep ring 1.06x / 1.10x / 1.04x / 1.04x at 2K / 4K /
-# 8K / 16K against today's routing then (the forward above below 8K keys). At D64 the forward above keeps the calls
+# left the long ones of each head group to the same programs: 0.74-0.91x of one program a tile at D128). Against one
+# program a tile (.gpu/ws_causal.py, H100, session 12): D128 1.07x / 1.03x / 0.99x at L = 2K / 4K / 16K; D64 (two
+# consumers, 3-deep ring) 1.06x / 1.10x / 1.04x / 1.04x at 2K / 4K / 8K / 16K against the routing before (the forward
+# above below 8K keys), and three consumers with a 2-deep ring 1.00x / 1.07x / 1.07x / 1.11x over that
+# (.gpu/ws_causal3.py; unscheduled, three consumers had been 0.61-0.96x). At D64 the forward above keeps the calls
 # with fewer keys: not causal below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous
 # benchmark tables on both cards), causal below 2K (128-key blocks mask more of the diagonal where a causal row has
 # few blocks).
-_WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (3, True, 2, 2048), (128, False): (2, True, 2, 0),
+_WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, True, 3, 2048), (128, False): (2, True, 2, 0),
                (128, True): (2, True, 2, 0)}
 # D128 causal calls with more keys than this keep one program a tile: persistent 0.96-0.99x there at 16K (three runs),
 # 1.03-1.07x at 2K-4K.
