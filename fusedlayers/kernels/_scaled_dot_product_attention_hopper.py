@@ -1,5 +1,5 @@
 """Attention for Hopper GPUs (sm_90), in Gluon: the forward with FA3's intra-warpgroup overlap written out (most
-calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups, or three at D64 not causal), and
+calls warp-specialized: a TMA producer warpgroup feeding two consumer warpgroups, or three at D64), and
 the backward's two passes (dK/dV, dQ) on asynchronous ``wgmma`` fed by TMA.
 
 Triton's compiler waits for each ``tl.dot`` right after issuing it, so the softmax of a key block never overlaps a
@@ -351,7 +351,7 @@ if gluon is not None:
 # Calls whose output the TMA can store run this forward (see _warp_specialized): a program is a producer warpgroup
 # issuing every TMA load and two or three consumers of 64 query rows each that share every K/V tile (a half or a third
 # of the shared memory traffic of 64-row programs); the producer hands its registers to the consumers (setmaxnreg).
-# Two consumers (232 registers each) run the intra-warpgroup overlap above; three (160 each, D64 not causal, FA3's
+# Two consumers (232 registers each) run the intra-warpgroup overlap above; three (160 each, D64, FA3's
 # choice there) run one block at a time, S and P of one block live, and overlap only with each other: against two
 # with the overlap, 1.06-1.14x at D64 L = 2K-16K not causal (H100, session 11; three with the overlap spilled, 0.39x).
 # Persistent programs (one per SM looping over tiles) load the next tile while the consumers finish this one.
