@@ -1646,7 +1646,7 @@ def test_causal_schedule_deals_every_tile_once_and_evenly():
 
     for num_m, num_bh, S, consumers, programs in ((16, 128, 2048, 2, 132), (11, 12, 2100, 3, 132), (3, 2, 8200, 2, 6),
                                                    (128, 16, 16384, 2, 132)):
-        table = hopper._causal_schedule(num_m, num_bh, S, consumers, programs, torch.device("cpu")).tolist()
+        table = hopper._causal_schedule(num_m, num_bh, S, consumers * 64, 128, programs, torch.device("cpu")).tolist()
         start, order = table[:programs + 1], table[programs + 1:]
         assert start[0] == 0 and start[-1] == num_m * num_bh and sorted(order) == list(range(num_m * num_bh))
         rows, loads, costs = consumers * 64, [], []

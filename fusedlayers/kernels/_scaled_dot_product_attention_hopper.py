@@ -414,24 +414,23 @@ TILE_OVERHEAD_BLOCKS = 1
 
 
 @functools.lru_cache(maxsize=32)
-def _causal_schedule(num_m: int, num_bh: int, S: int, consumers: int, programs: int,
+def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: int, programs: int,
                      device: torch.device) -> torch.Tensor:
     """Which causal tiles each persistent program takes, as the GPU's block scheduler would deal them to programs of
     one tile each: the tiles in launch order (``_causal_order``: groups of heads, longest rows first), each to the
     program that frees up first by the tiles' key blocks. int32 [start (programs + 1) | tiles by program]. Dealing
     every programs-th tile instead left the long tiles of each group to the same programs (0.74-0.91x of one program a
     tile at D128). Built once per shape (a model's layers share it)."""
-    rows = consumers * 64
     group = CAUSAL_HEAD_GROUP * num_m
     free = [(0, p) for p in range(programs)]
     tiles: list[list[int]] = [[] for _ in range(programs)]
     for t in range(num_m * num_bh):
         r = t % group
         heads = min(CAUSAL_HEAD_GROUP, num_bh - (t // group) * CAUSAL_HEAD_GROUP)
-        q_hi = (num_m - r // heads) * rows  # one past the tile's last row
+        q_hi = (num_m - r // heads) * tile_rows  # one past the tile's last row
         busy, p = heapq.heappop(free)
         tiles[p].append(t)
-        heapq.heappush(free, (busy + cdiv(min(q_hi, S), 128) + TILE_OVERHEAD_BLOCKS, p))
+        heapq.heappush(free, (busy + cdiv(min(q_hi, S), block_n) + TILE_OVERHEAD_BLOCKS, p))
     start = list(itertools.accumulate((len(x) for x in tiles), initial=0))
     return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
 
@@ -452,7 +451,7 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     scheduled = ws_schedule and persistent and is_causal and intervals is None
-    schedule = _causal_schedule(num_m, B * H, S, consumers, grid[0], q.device) if scheduled else lse
+    schedule = _causal_schedule(num_m, B * H, S, consumers * block_m, block_n, grid[0], q.device) if scheduled else lse
     launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, schedule, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D,
