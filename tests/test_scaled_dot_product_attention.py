@@ -1665,6 +1665,68 @@ def test_causal_schedule_deals_every_tile_once_and_evenly():
         assert max(loads) - min(loads) <= max(costs)
 
 
+# (D, L = S, causal, window, softcap): the Hopper host paths, from the op's launcher down
+HOPPER_HOST_CASES = [
+    (128, 4096, False, (-1, -1), 0.0),  # warp-specialized, persistent
+    (128, 2048, True, (-1, -1), 0.0),  # persistent causal, scheduled
+    (64, 4096, True, (-1, -1), 0.0),  # three consumers, causal, scheduled
+    (64, 1000, True, (-1, -1), 0.0),  # the one-warpgroup forward
+    (64, 4096, False, (-1, -1), 30.0),  # soft-cap, three consumers
+    (128, 4096, True, (1024, 0), 50.0),  # a narrow window (key intervals) with the cap: one-warpgroup forward
+    (128, 4096, True, (2048, 0), 0.0),  # a wide one: warp-specialized on intervals
+]
+HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ"}
+
+
+def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
+    """CI has no Hopper GPU, so the Gluon kernels' host code runs here on CPU tensors with every launch recorded instead
+    of run: through the op's launcher (kernels.attention_forward / attention_backward, the Hopper path forced on),
+    each path (the one-warpgroup and warp-specialized forwards, persistent causal with its schedule, key intervals, the
+    soft-cap, dK/dV, dQ) passes each kernel exactly its parameters: the runtime ones by position (TMA descriptors,
+    tensors, numbers where the kernel takes them), every constexpr by name."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, *args, **meta: launches.append((kernel, args, meta)))
+    monkeypatch.setattr(K, "launch", lambda kernel, grid, *args, **meta: launches.append((kernel, args, meta)))
+    monkeypatch.setattr(hopper, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper, "enabled", True)
+    monkeypatch.setattr(hopper, "applies", lambda *args, **kwargs: True)
+    monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
+    for D, L, causal, window, softcap in HOPPER_HOST_CASES:
+        q, k, v = (torch.zeros(1, 2, L, D, dtype=torch.bfloat16) for _ in range(3))
+        out, lse = K.attention_forward(q, k, v, None, None, causal, D**-0.5, window=window, softcap=softcap)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        K.attention_backward(out, q, k, v, out, lse, None, None, causal, D**-0.5, *grads, None, window=window,
+                             softcap=softcap)
+    meta_seen = {}
+    gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
+    assert len(gluon_launches) == 3 * len(HOPPER_HOST_CASES)  # the Triton ones (delta) run in the interpreter's tests
+    for kernel, args, meta in gluon_launches:
+        runtime = [p.name for p in kernel.params if not p.is_constexpr]
+        required = {p.name for p in kernel.params if p.is_constexpr and not p.has_default} - {"num_warps"}
+        assert len(args) == len(runtime), (kernel.__name__, len(args), runtime)
+        assert required <= set(meta) <= required | {"num_warps"}, (kernel.__name__, set(meta) ^ required)
+        for name, arg in zip(runtime, args, strict=True):
+            if name.endswith("_desc"):
+                assert isinstance(arg, hopper.TensorDescriptor), (kernel.__name__, name)
+            elif name in HOPPER_POINTERS:
+                assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
+            else:
+                assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
+        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS"):
+            if key in meta:
+                meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
+    assert meta_seen[("_attn_fwd_ws", "SCHEDULE")] == {True, False}
+    assert meta_seen[("_attn_fwd_ws", "CONSUMERS")] == {2, 3}
+    assert meta_seen[("_attn_fwd_ws", "SOFTCAP")] == meta_seen[("_attn_fwd_ws", "INTERVALS")] == {True, False}
+    for name in ("_attn_fwd_hopper", "_attn_bwd_dkdv_hopper", "_attn_bwd_dq_hopper"):
+        assert meta_seen[(name, "SOFTCAP")] == meta_seen[(name, "INTERVALS")] == {True, False}
+
+
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
     (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
