@@ -1655,10 +1655,7 @@ def test_causal_schedule_deals_every_tile_once_and_evenly():
             assert mine == sorted(mine)
             cost = []
             for t in mine:
-                r = t % (hopper.CAUSAL_HEAD_GROUP * num_m)
-                heads = min(hopper.CAUSAL_HEAD_GROUP, num_bh - t // (hopper.CAUSAL_HEAD_GROUP * num_m)
-                            * hopper.CAUSAL_HEAD_GROUP)
-                q_hi = (num_m - r // heads) * rows
+                q_hi = (hopper._causal_query_block(t, num_m, num_bh) + 1) * rows
                 cost.append(-(-min(q_hi, S) // 128) + hopper.TILE_OVERHEAD_BLOCKS)
             loads.append(sum(cost))
             costs += cost

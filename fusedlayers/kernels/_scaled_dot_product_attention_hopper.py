@@ -413,6 +413,13 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
 TILE_OVERHEAD_BLOCKS = 1
 
 
+def _causal_query_block(t: int, num_m: int, num_bh: int) -> int:
+    """The query block of causal tile t in launch order: ``_causal_order``'s on the host."""
+    r = t % (CAUSAL_HEAD_GROUP * num_m)
+    heads = min(CAUSAL_HEAD_GROUP, num_bh - t // (CAUSAL_HEAD_GROUP * num_m) * CAUSAL_HEAD_GROUP)
+    return num_m - 1 - r // heads
+
+
 @functools.lru_cache(maxsize=32)
 def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: int, programs: int,
                      device: torch.device) -> torch.Tensor:
@@ -421,13 +428,10 @@ def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: i
     program that frees up first by the tiles' key blocks. int32 [start (programs + 1) | tiles by program]. Dealing
     every programs-th tile instead left the long tiles of each group to the same programs (0.74-0.91x of one program a
     tile at D128). Built once per shape (a model's layers share it)."""
-    group = CAUSAL_HEAD_GROUP * num_m
     free = [(0, p) for p in range(programs)]
     tiles: list[list[int]] = [[] for _ in range(programs)]
     for t in range(num_m * num_bh):
-        r = t % group
-        heads = min(CAUSAL_HEAD_GROUP, num_bh - (t // group) * CAUSAL_HEAD_GROUP)
-        q_hi = (num_m - r // heads) * tile_rows  # one past the tile's last row
+        q_hi = (_causal_query_block(t, num_m, num_bh) + 1) * tile_rows  # one past the tile's last row
         busy, p = heapq.heappop(free)
         tiles[p].append(t)
         heapq.heappush(free, (busy + cdiv(min(q_hi, S), block_n) + TILE_OVERHEAD_BLOCKS, p))

@@ -1058,18 +1058,18 @@ def attention_backward(
     # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
     # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
-    dense = tuple(window) == (-1, -1) and intervals is None
+    plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
         keys_per_row = backend.keys_per_row(S, is_causal, window)
     hopper_dkdv, hopper_dq = hopper.backward_passes(q, k, v, grad_out, hopper_ok, scale,
                                                     is_causal and tuple(window) == (-1, -1), keys_per_row)
     if hopper_dkdv or hopper_dq:
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
+        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
-                                     2 * B * H * L * S * D if hopper_ok and softcap <= 0.0 and dense and is_causal
-                                 else None))
+                                     2 * B * H * L * S * D if plain and is_causal else None))
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
@@ -1077,7 +1077,6 @@ def attention_backward(
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if gluon_dkdv:
-        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dk, dv,
                                        hopper_intervals, cap_scale)
     elif need_dk or need_dv or need_dmask:
@@ -1093,7 +1092,6 @@ def attention_backward(
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
     elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
-        qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
                                      hopper_intervals, cap_scale)
     elif need_dq:
