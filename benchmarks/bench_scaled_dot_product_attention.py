@@ -75,8 +75,11 @@ WIDE_CANDIDATES = {
 OVERRIDE = {"fwd": "FWD_CONFIG", "dkdv": "BWD_DKDV_CONFIG", "dq": "BWD_DQ_CONFIG"}
 
 
+HEAD_DIMS = [64, 128, 256]  # --head-dims
+
+
 def shapes(quick: bool = False):
-    for d in (64, 128, 256):
+    for d in HEAD_DIMS:
         for length in ((4096,) if quick else (1024, 2048, 4096, 16384)):
             for causal in (False, True):
                 yield TOKENS // length, WIDTH // d, length, d, causal
@@ -376,7 +379,10 @@ def main():
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    ap.add_argument("--head-dims", default="64,128,256", help="the table's head dims, e.g. 64,128 (each D's rows take "
+                    "minutes)")
     args = ap.parse_args()
+    HEAD_DIMS[:] = [int(x) for x in args.head_dims.split(",")]
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.no_flex:
@@ -392,7 +398,7 @@ def main():
         return
     best = sweep([int(x) for x in args.sweep_lengths.split(",")], args.workers) if args.sweep else {}
     if not args.sweep:  # compile the default configs in parallel before timing
-        precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in (64, 128, 256)
+        precompile([(kind, d, causal, None) for kind in ("fwd", "dkdv", "dq") for d in HEAD_DIMS
                     for causal in (False, True)], args.workers)
     out = args.out
     if out is None and args.out_dir is not None:

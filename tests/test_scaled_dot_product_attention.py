@@ -1463,13 +1463,11 @@ HOPPER_SOFTCAP_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_SOFTCAP_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}cap{c[9]}")
 def test_cuda_hopper_softcap(case, dtype, monkeypatch):
-    """On Hopper a soft-capped call runs the Gluon kernels (the cap's tanh in each): the forward, dQ, and dK/dV
-    where the plain call runs it (not D64 causal); parity of the output and every gradient."""
+    """On Hopper a soft-capped call runs the Gluon kernels (the cap's tanh in each): the forward, dQ and dK/dV;
+    parity of the output and every gradient."""
     calls = gluon_kernel_calls(monkeypatch)
     check_window_softcap(case, dtype, device="cuda")
-    D, causal = case[5], case[6]
-    want = set(GLUON_KERNELS) - ({"attention_backward_dkdv"} if D == 64 and causal else set())
-    assert set(calls) == want
+    assert set(calls) == set(GLUON_KERNELS)
 
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
@@ -1739,8 +1737,8 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
 @pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
 def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
-    """On an H100/H200 the plain 16-bit backward runs the Gluon kernels: dQ, and dK/dV at head dim 128 and at 64 not
-    causal: parity of every gradient, and the Triton kernels launched only where the Gluon ones are not meant to run."""
+    """On an H100/H200 the plain 16-bit backward runs the Gluon dQ and dK/dV kernels: parity of every gradient, and
+    no Triton backward kernel launched."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1757,14 +1755,13 @@ def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
         monkeypatch.setattr(hopper, f"attention_backward_{kind}",
                             lambda *a, kind=kind, fn=gluon_kernel, **kw: (calls.append(kind), fn(*a, **kw)))
     check_parity(q, k, v, None, causal)
-    gluon_dkdv_expected = D == 128 or not causal
-    assert ("dkdv" in calls) == gluon_dkdv_expected and ("_attn_bwd_dkdv_kernel" in names) != gluon_dkdv_expected
-    assert "dq" in calls and "_attn_bwd_dq_kernel" not in names
+    assert sorted(calls) == ["dkdv", "dq"]
+    assert "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" not in names
 
 
 def test_hopper_backward_routing(monkeypatch):
     """Which backward passes the Hopper kernels take once a call qualifies (the shared checks stubbed, so this runs on
-    the CPU): dQ always, dK/dV except at head dim 64 causal (measured slower there); the A/B switches turn each off."""
+    the CPU): both, at every head dim, causal or not; the A/B switches turn each off."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "_backward_applies", lambda *a: True)
@@ -1772,8 +1769,7 @@ def test_hopper_backward_routing(monkeypatch):
         q = torch.empty(1, 1, 4, d)
         return hopper.backward_passes(q, q, q, q, True, 1.0, causal)
 
-    assert passes(128, True) == passes(128, False) == passes(64, False) == (True, True)
-    assert passes(64, True) == (False, True)
+    assert passes(128, True) == passes(128, False) == passes(64, False) == passes(64, True) == (True, True)
     monkeypatch.setattr(hopper, "dq_enabled", False)
     assert passes(128, True) == (True, False)
     monkeypatch.setattr(hopper, "backward_enabled", False)

@@ -21,7 +21,7 @@ h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask or dropout, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
-of at least MIN_FLOPS, and for dK/dV at D64 only not causal. Windows and packed sequences (fl.varlen_attention) come
+of at least MIN_FLOPS. Windows and packed sequences (fl.varlen_attention) come
 as per-row key intervals: the key blocks no row of a query block reaches are skipped, the edge blocks masked.
 Gemma 2's soft-cap (``cap_scale`` > 0) is the hardware's tanh on each score, in every kernel (the backward
 multiplies dS by the cap's derivative, 1 - tanh^2, of the score it already forms). Everything else, other GPUs and
@@ -200,6 +200,16 @@ if gluon is not None:
     def _load(desc, b, h, row, bar, dst, pred):
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst, pred=pred)
+
+    @gluon.jit
+    def _step_stats(Lse, Delta, bh, offs_m, L, valid):
+        """The backward's per-row statistics of head bh's query rows offs_m: the logsumexp in base-2 units and
+        delta. Rows past L (or no step at all, ``valid`` false): logsumexp +inf, so P = 0 there (the TMA reads their
+        q and dO as zeros)."""
+        ok = (offs_m < L) & valid
+        lse2 = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=ok, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=ok, other=0.0)
+        return lse2, delta
 
     @gluon.jit
     def _causal_order(t, num_m, num_bh, BH_GROUP: gl.constexpr):
@@ -740,16 +750,13 @@ if gluon is not None:
 # ----------------------------------------------------------------------------- backward: dK and dV
 
 # (BLOCK_N keys, BLOCK_M queries, warps) per head dim: a program owns one key block, its dK and dV stay in registers
-# (at D128 two warpgroups of 64 key rows each) while query blocks stream through two-deep TMA rings. The fastest of
-# two to four candidates each on an H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K). Measured against the Triton
-# dK/dV kernel in the same process, forward+backward, two runs: D128 1.06-1.22x from MIN_FLOPS up (0.95-0.99x at the
-# causal L = 1024 shapes below it); D64 1.01-1.06x not causal, 0.75-1.02x causal, so D64 causal stays Triton's. A
-# software-pipelined variant (the next block's S^T issued behind this block's dK product) was 0.92-0.95x of this one.
-_DKDV_CONFIGS = {64: (64, 64, 4), 128: (128, 64, 8)}
-# with key intervals (packed documents, windows) smaller key blocks waste less at the edges: at D128 64 x 64 tiles,
-# 4 warps, were 1.06-1.15x the dense tiles forward+backward (H100, documents of 64-4096 tokens, windows 1024 and 4096
-# over 16K, three interleaved rounds); at D64 64 x 32 was within 2.5% either way
-_DKDV_INTERVAL_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
+# while query blocks stream through two-deep TMA rings. One warpgroup of 64 keys, two programs an SM (96 KB of shared
+# memory each at D128), so that one program's softmax runs under the other's products: with each step's lse and delta
+# loaded under the previous step's dV and dK products, 1.06-1.13x forward+backward over (128 keys, 8 warps), whose two
+# warpgroups shared the query blocks and so ran in step (D128, H100, L 2K-16K, causal and not; D64: 1.02-1.06x, and
+# 1.02-1.06x the Triton dK/dV at D64 causal, which used to keep it). Also the fastest with key intervals (packed
+# documents, windows), whose edge blocks waste less with fewer keys (1.06-1.15x over 128 keys, H100).
+_DKDV_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
@@ -776,7 +783,7 @@ def backward_passes(q, k, v, grad_out, plain: bool, scale: float, is_causal: boo
     if not (backward_enabled or dq_enabled) or not _backward_applies(q, k, v, grad_out, plain, scale, is_causal,
                                                                       keys_per_row):
         return False, False
-    return backward_enabled and not (q.shape[-1] == 64 and is_causal), dq_enabled
+    return backward_enabled, dq_enabled
 
 
 def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
@@ -787,7 +794,7 @@ def attention_backward_dkdv(q, k, v, grad_out, lse, delta, is_causal: bool, qk_s
     ``intervals`` and ``cap_scale`` as ``attention_forward``'s."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    block_n, block_m, warps = (_DKDV_CONFIGS if intervals is None else _DKDV_INTERVAL_CONFIGS)[D]
+    block_n, block_m, warps = _DKDV_CONFIGS[D]
     grid = (cdiv(S, block_n), B * H_kv)
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
     launch(_attn_bwd_dkdv_hopper, grid,
@@ -866,17 +873,14 @@ if gluon is not None:
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        lse2, delta = _step_stats(Lse, Delta, b * H + hk * GROUP, m_start + gl.arange(0, BLOCK_M, layout=col_s), L,
+                                  total > 0)
         mbarrier.wait(kv_bar, phase=0)
         for i in range(total):
             buf = i % 2
             phase = (i // 2) & 1
-            g = i // n_m
             m0 = m_start + (i % n_m) * BLOCK_M
-            bh = b * H + hk * GROUP + g
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-            # query rows past L: logsumexp +inf, so P = 0 there (the TMA reads their q and dO as zeros)
-            lse = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
-            delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(q_bar.index(buf), phase=phase)
@@ -886,7 +890,7 @@ if gluon is not None:
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
             if SOFTCAP:
                 s_t = _tanh(s_t * cap_scale)
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
                 if m0 < n0 + BLOCK_N:  # only the blocks that cross the diagonal pay for the mask
                     p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
@@ -903,6 +907,11 @@ if gluon is not None:
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_tile, dk, is_async=True)
+            # the next step's lse and delta, their latency hidden under this step's dV and dK products
+            nxt = i + 1
+            lse2, delta = _step_stats(Lse, Delta, b * H + hk * GROUP + nxt // n_m,
+                                      m_start + (nxt % n_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s), L,
+                                      nxt < total)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             # this buffer's q and dO are read: it takes iteration i + 2's
             nxt = i + 2
@@ -929,10 +938,11 @@ if gluon is not None:
 # ----------------------------------------------------------------------------- backward: dQ
 
 # (BLOCK_M queries, BLOCK_N keys, warps) per head dim: a program owns one query block (Q, dO resident, dQ in
-# registers) while key blocks stream through two-deep TMA rings. The fastest of three or four candidates each on an
-# H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K, with the Gluon dK/dV): forward+backward 1.03-1.10x the Triton dQ
-# kernel at D128 and 1.00-1.06x at D64 from MIN_FLOPS up; with the Gluon forward and dK/dV, 1.21-1.34x the all-Triton
-# path at D128 (L >= 4096) and 1.05-1.12x at D64.
+# registers) while key blocks stream through TMA rings (K three deep, V two), two programs an SM. The fastest of three
+# or four candidates each on an H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K, with the Gluon dK/dV): forward+backward
+# 1.03-1.10x the Triton dQ kernel at D128 and 1.00-1.06x at D64 from MIN_FLOPS up. Block j-1's dQ product is issued
+# behind block j's S and dP and runs under block j's softmax (FA3's intra-warpgroup overlap): 1.02-1.05x
+# forward+backward over waiting for it within its own step at D128, 0.97-1.03x at D64 (H100, L 2K-16K).
 _DQ_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
 dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
@@ -958,6 +968,27 @@ def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_sca
 if gluon is not None:
 
     @gluon.jit
+    def _dq_probs(s, lse2, qk_scale, cap_scale, offs_m, m0, start_n, row_lo, row_hi, seen_lo, seen_hi,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                  col_s: gl.constexpr):
+        """P of the key block from ``start_n`` for S = Q K^T, masked; SOFTCAP: times the cap's derivative 1 - tanh^2
+        (what dS needs: dS = P (dP - delta) then)."""
+        if SOFTCAP:
+            s = _tanh(s * cap_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if CAUSAL:
+            if start_n + BLOCK_N > m0:  # only the blocks that cross the diagonal pay for the mask
+                offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_s)
+                p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
+        if INTERVALS:
+            if start_n < seen_lo or start_n + BLOCK_N - 1 > seen_hi:
+                offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=col_s), 0)
+                p = gl.where((offs_n >= gl.expand_dims(row_lo, 1)) & (offs_n <= gl.expand_dims(row_hi, 1)), p, 0.0)
+        if SOFTCAP:  # masked scores: p = 0 already
+            p = p * (1.0 - s * s)
+        return p
+
+    @gluon.jit
     def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, RowLo, RowHi,
                             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                             H, GROUP, L, S, qk_scale, scale, cap_scale,
@@ -965,7 +996,8 @@ if gluon is not None:
                             CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                             BH_GROUP: gl.constexpr, num_warps: gl.constexpr):
         """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
-        dQ += dS K (dS from registers). SOFTCAP: as the dK/dV kernel's."""
+        dQ += dS K (dS from registers), block j-1's dQ product in flight while block j's S and dP are formed.
+        SOFTCAP: as the dK/dV kernel's."""
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -980,67 +1012,74 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [3, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qdo_bar, count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(3):
             mbarrier.init(k_bar.index(i), count=1)
+        for i in gl.static_range(2):
             mbarrier.init(v_bar.index(i), count=1)
         fence_async_shared()
 
         mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qdo_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qdo_bar, do_smem)
-        for i in gl.static_range(2):
+        for i in gl.static_range(3):
             _load(k_desc, b, hk, lo + i * BLOCK_N, k_bar.index(i), k_smem.index(i), i < n)
+        for i in gl.static_range(2):
             _load(v_desc, b, hk, lo + i * BLOCK_N, v_bar.index(i), v_smem.index(i), i < n)
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
 
-        # query rows past L: logsumexp +inf, so P = 0 there; key rows past S are zeros in K, adding nothing to dQ
-        lse2 = gl.load(Lse + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=float("inf")) * 1.4426950408889634
-        delta = gl.load(Delta + bh.to(gl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+        # key rows past S are zeros in K, adding nothing to dQ
+        lse2, delta = _step_stats(Lse, Delta, bh, offs_m, L, True)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(qdo_bar, phase=0)
-        for j in range(n):
-            buf = j % 2
-            phase = (j // 2) & 1
-            k_tile = k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(k_bar.index(buf), phase=phase)
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(buf), phase=phase)
-            dp = warpgroup_mma(do_tile, v_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+        # block 0 (every program has one: ``_query_block``): its dS, no dQ product before it
+        mbarrier.wait(k_bar.index(0), phase=0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(0), phase=0)
+        dp = warpgroup_mma(do_tile, v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        p = _dq_probs(s, lse2, qk_scale, cap_scale, offs_m, m0, lo, row_lo, row_hi, seen_lo, seen_hi, BLOCK_N,
+                      CAUSAL, INTERVALS, SOFTCAP, col_s)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        _load(v_desc, b, hk, lo + 2 * BLOCK_N, v_bar.index(0), v_smem.index(0), 2 < n)
+        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+        for j in range(1, n):
+            kb = j % 3
+            vb = j % 2
+            kb_prev = (j + 2) % 3
+            mbarrier.wait(k_bar.index(kb), phase=(j // 3) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(kb).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(vb), phase=(j // 2) & 1)
+            dp = warpgroup_mma(do_tile, v_smem.index(vb).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            if SOFTCAP:
-                s = _tanh(s * cap_scale)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-            if CAUSAL:
-                if j * BLOCK_N + BLOCK_N > m0:  # only the blocks that cross the diagonal pay for the mask
-                    offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-                    p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
-            if INTERVALS:
-                start_n = lo + j * BLOCK_N
-                if start_n < seen_lo or start_n + BLOCK_N - 1 > seen_hi:
-                    offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=col_s), 0)
-                    p = gl.where((offs_n >= gl.expand_dims(row_lo, 1)) & (offs_n <= gl.expand_dims(row_hi, 1)),
-                                 p, 0.0)
-            if SOFTCAP:  # through the cap to the raw score (masked scores: p = 0 already)
-                p = p * (1.0 - s * s)
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+            dq_acc = warpgroup_mma(ds, k_smem.index(kb_prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))  # products retire in order: S, dP, dQ
+            p = _dq_probs(s, lse2, qk_scale, cap_scale, offs_m, m0, lo + j * BLOCK_N, row_lo, row_hi, seen_lo,
+                          seen_hi, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, col_s)
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
             # this slot's V is read: it takes block j + 2's
-            _load(v_desc, b, hk, lo + (j + 2) * BLOCK_N, v_bar.index(buf), v_smem.index(buf), j + 2 < n)
-            ds = p * (dp - gl.expand_dims(delta, 1))
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_tile, dq, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            _load(k_desc, b, hk, lo + (j + 2) * BLOCK_N, k_bar.index(buf), k_smem.index(buf), j + 2 < n)
+            _load(v_desc, b, hk, lo + (j + 2) * BLOCK_N, v_bar.index(vb), v_smem.index(vb), j + 2 < n)
+            ds_j = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_acc, ))
+            # block j-1's K is read: its slot takes block j + 2's
+            _load(k_desc, b, hk, lo + (j + 2) * BLOCK_N, k_bar.index(kb_prev), k_smem.index(kb_prev), j + 2 < n)
+            ds = ds_j
+        dq_acc = warpgroup_mma(ds, k_smem.index((n + 2) % 3).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_acc, ))
         mbarrier.invalidate(qdo_bar)
-        for i in gl.static_range(2):
+        for i in gl.static_range(3):
             mbarrier.invalidate(k_bar.index(i))
+        for i in gl.static_range(2):
             mbarrier.invalidate(v_bar.index(i))
 
         offs_mo = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
