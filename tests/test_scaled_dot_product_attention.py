@@ -491,6 +491,24 @@ def test_output_and_gradient_strides_are_torchs(name, backend):
     check_against_torch(q, k, v, backend, attn_mask=mask, **kw)
 
 
+def test_cuda_fused_layouts_give_gradients_their_inputs_layout():
+    """After CUDA's flash or cuDNN choice the gradients are laid out as their inputs where those are dense (so that
+    a leaf's .grad needs no copy into its layout), (B, n, H, d)-major where they are not (an expanded GQA key)."""
+    from fusedlayers.ops import scaled_dot_product_attention as attn_ops
+
+    bhtd = torch.empty(2, 3, 5, 8)
+    bthd = torch.empty(2, 5, 3, 8).transpose(1, 2)
+    expanded = torch.empty(2, 1, 5, 8).expand(2, 3, 5, 8)
+    blhe_strides = torch.empty(2, 5, 3, 8).transpose(1, 2).stride()
+    for layout in (attn_ops.LAYOUT_LIKE_QUERY_T, attn_ops.LAYOUT_QUERY_ORDER):
+        assert attn_ops._new_grad(bhtd, layout, False).stride() == bhtd.stride()
+        assert attn_ops._new_grad(bthd, layout, False).stride() == bthd.stride()
+        assert attn_ops._new_grad(expanded, layout, False).stride() == blhe_strides
+    assert attn_ops._new_grad(bhtd, attn_ops.LAYOUT_BLHE, False).stride() == blhe_strides
+    assert attn_ops._dense(bthd) and attn_ops._dense(bhtd[:1]) and not attn_ops._dense(bhtd[:, :, :4])
+    assert not attn_ops._dense(bhtd[..., :1])
+
+
 def test_layout_rule_is_torchs_kernel_choice():
     """attn_ops.torch_cpu_takes_flash reproduces torch's own CPU kernel choice (flash vs math)."""
     r = torch.randn
