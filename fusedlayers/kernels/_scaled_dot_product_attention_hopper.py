@@ -17,12 +17,12 @@ inline, with a writer partition or pipelined: h100-attention-experiments.md, ses
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 2048, H100, session 12): forward 0.96-1.16x (causal 0.96-1.13x), forward+backward 0.74-0.91x.
+(D 64/128, L >= 2048, H100, session 13): forward 0.96-1.15x, forward+backward 0.89-1.02x.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask or dropout, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
-of at least MIN_FLOPS. Windows and packed sequences (fl.varlen_attention) come
-as per-row key intervals: the key blocks no row of a query block reaches are skipped, the edge blocks masked.
+of at least MIN_FLOPS. Windows and packed sequences (fl.varlen_attention) come as per-row key intervals: the key
+blocks no row of a query block reaches are skipped, the edge blocks masked.
 Gemma 2's soft-cap (``cap_scale`` > 0) is the hardware's tanh on each score, in every kernel (the backward
 multiplies dS by the cap's derivative, 1 - tanh^2, of the score it already forms). Everything else, other GPUs and
 the interpreter run the Triton kernels, whose logsumexp this forward writes in the same units (natural log, fp32), so
