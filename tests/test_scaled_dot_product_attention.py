@@ -1715,9 +1715,11 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
         grads = [torch.empty_like(t) for t in (q, k, v)]
         K.attention_backward(out, q, k, v, out, lse, None, None, causal, D**-0.5, *grads, None, window=window,
                              softcap=softcap)
+    # delta summed from P dP first (exact_delta, a Triton pass): the Gluon dQ pass then reads it, not forms it
+    K.attention_backward(out, q, k, v, out, lse, None, None, False, 0.125, *grads, None, exact_delta=True)
     meta_seen = {}
     gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
-    assert len(gluon_launches) == 3 * len(HOPPER_HOST_CASES)  # the Triton ones (delta) run in the interpreter's tests
+    assert len(gluon_launches) == 3 * len(HOPPER_HOST_CASES) + 2  # the Triton ones run in the interpreter's tests
     for kernel, args, meta in gluon_launches:
         runtime = [p.name for p in kernel.params if not p.is_constexpr]
         required = {p.name for p in kernel.params if p.is_constexpr and not p.has_default} - {"num_warps"}
@@ -1730,7 +1732,7 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
                 assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
             else:
                 assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
-        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS"):
+        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA"):
             if key in meta:
                 meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
     assert meta_seen[("_attn_fwd_ws", "SCHEDULE")] == {True, False}
@@ -1738,6 +1740,9 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_fwd_ws", "SOFTCAP")] == meta_seen[("_attn_fwd_ws", "INTERVALS")] == {True, False}
     for name in ("_attn_fwd_hopper", "_attn_bwd_dkdv_hopper", "_attn_bwd_dq_hopper"):
         assert meta_seen[(name, "SOFTCAP")] == meta_seen[(name, "INTERVALS")] == {True, False}
+    assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == {True, False}
+    dq_first = [kernel.__name__ for kernel, _, _ in launches if "bwd" in kernel.__name__][:2]
+    assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
 
 
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [

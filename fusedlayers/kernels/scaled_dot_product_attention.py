@@ -1030,11 +1030,6 @@ def attention_backward(
     bd, bdv = _head_block(D), _head_block(DV)
     lse = lse.contiguous()
     delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
-    if not exact_delta:
-        pre_m = 64 if bdv <= 128 else 32
-        launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
-        )
     mask_t, ms, mask_bool = _mask_args(mask, q)
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     common = dict(
@@ -1048,15 +1043,9 @@ def attention_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
     sparse = tuple(window) != (-1, -1) or intervals is not None
     dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
-    if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
-        dq_t = dq if need_dq else q
-        launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
-            q, k, v, grad_out, lse, delta, dq_t, mask_t, row_lo, row_hi, *strides, *dq_t.stride(), *scalars, **common,
-            DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
-            num_stages=dq_cfg.num_stages,
-        )
-    # dK/dV: the Hopper kernel where it applies (deterministic, and faster than the atomic dQ below there), else
-    # the Triton kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and that pays
+    # which kernels run: the Hopper ones where they apply (deterministic, and faster there than the atomic dQ
+    # below), else the Triton dK/dV kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and
+    # that pays
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
@@ -1070,6 +1059,24 @@ def attention_backward(
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
                                      2 * B * H * L * S * D if plain and is_causal else None))
+    gluon_dq = need_dq and not atomic_dq and BWD_DQ_CONFIG is None and hopper_dq
+    # delta = rowsum(dO * O): formed by the Gluon dQ pass, which then runs first, or by a pass of its own
+    gluon_dq_first = gluon_dq and not exact_delta
+    if gluon_dq_first:
+        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
+                                     hopper_intervals, cap_scale, out=out)
+    elif not exact_delta:
+        pre_m = 64 if bdv <= 128 else 32
+        launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
+        )
+    else:  # the dQ kernel's loop, summing P dP (dq_t is not written)
+        dq_t = dq if need_dq else q
+        launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
+            q, k, v, grad_out, lse, delta, dq_t, mask_t, row_lo, row_hi, *strides, *dq_t.stride(), *scalars, **common,
+            DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages,
+        )
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
@@ -1091,10 +1098,10 @@ def attention_backward(
         )
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
-    elif need_dq and BWD_DQ_CONFIG is None and hopper_dq:
+    elif gluon_dq and not gluon_dq_first:
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
                                      hopper_intervals, cap_scale)
-    elif need_dq:
+    elif need_dq and not gluon_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq, mask_t, row_lo, row_hi, *strides, *dq.stride(), *scalars, **common,
