@@ -11,7 +11,8 @@ the consumers of one program, which share every K/V tile a producer warpgroup lo
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
 backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
-products' register operands; a dQ program holds one query block and streams the key blocks. (One pass with dQ added
+products' register operands; a dQ program holds one query block and streams the key blocks, and runs first: it
+forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added
 in fp32 by ordered TMA reductions, five products a tile instead of seven, was deterministic but 0.51-0.95x of this,
 inline, with a writer partition or pipelined: h100-attention-experiments.md, sessions 8, 10 and 11.)
 

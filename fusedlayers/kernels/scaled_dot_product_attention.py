@@ -14,9 +14,9 @@ exponent's argument is formed before the change of base: as precise as torch's f
   (unmasked), masked blocks at the right edge; the dK/dV kernel does the same over query blocks. Writes the
   output (through its strides: any layout) and the logsumexp (natural log) per row, as a float64 m + log(l) for
   fp32 inputs (``_split_lse``).
-- backward: ``delta = rowsum(dO * O)`` (a small kernel), or with ``exact_delta`` sum_j P dP (the dQ kernel's
-  loop in DELTA_ONLY mode), then two kernels that recompute the probabilities tile by tile from the saved
-  logsumexp:
+- backward: ``delta = rowsum(dO * O)`` (a small kernel; on Hopper the Gluon dQ pass forms it and runs first), or
+  with ``exact_delta`` sum_j P dP (the dQ kernel's loop in DELTA_ONLY mode), then two kernels that recompute the
+  probabilities tile by tile from the saved logsumexp:
   * dK/dV: one program per (key block, b, h_kv); it loops over the query heads of its group and all query
     blocks, accumulating dK and dV in registers: GQA needs no expanded K/V and no atomics.
   * dQ: one program per (query block, b, h); it loops over the key blocks.
