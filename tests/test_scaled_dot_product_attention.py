@@ -1745,6 +1745,35 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
 
 
+def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
+    """The backward's launches on the Hopper path (recorded on CPU, as above) for each set of gradients asked for:
+    where the Gluon dQ pass runs it goes first and forms delta (no delta kernel); without dQ the delta kernel runs
+    before dK/dV; the Gluon dK/dV needs both dK and dV asked for (else the Triton kernel)."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    record = lambda kernel, grid, *args, **meta: launches.append((kernel.__name__, meta.get("FORM_DELTA")))  # noqa: E731
+    monkeypatch.setattr(hopper, "launch", record)
+    monkeypatch.setattr(K, "launch", record)
+    monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
+    q, k, v, out = (torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(1, 2, 256)
+    expected = {
+        (True, True, True): [("_attn_bwd_dq_hopper", True), ("_attn_bwd_dkdv_hopper", None)],
+        (True, False, False): [("_attn_bwd_dq_hopper", True)],
+        (False, True, True): [("_bwd_preprocess_kernel", None), ("_attn_bwd_dkdv_hopper", None)],
+        (False, False, True): [("_bwd_preprocess_kernel", None), ("_attn_bwd_dkdv_kernel", None)],
+    }
+    for need, want in expected.items():
+        launches.clear()
+        grads = [torch.empty_like(t) if n else None for n, t in zip(need, (q, k, v), strict=True)]
+        K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
+        assert launches == want, (need, launches)
+
+
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
     (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
