@@ -1060,23 +1060,23 @@ def attention_backward(
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
                                      2 * B * H * L * S * D if plain and is_causal else None))
     gluon_dq = need_dq and not atomic_dq and BWD_DQ_CONFIG is None and hopper_dq
-    # delta = rowsum(dO * O): formed by the Gluon dQ pass, which then runs first, or by a pass of its own
-    gluon_dq_first = gluon_dq and not exact_delta
-    if gluon_dq_first:
-        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
-                                     hopper_intervals, cap_scale, out=out)
-    elif not exact_delta:
-        pre_m = 64 if bdv <= 128 else 32
-        launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
-        )
-    else:  # the dQ kernel's loop, summing P dP (dq_t is not written)
+    # delta: summed from P dP (exact_delta), or rowsum(dO * O) by a pass of its own unless the Gluon dQ pass,
+    # which then runs first, forms it
+    if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
         dq_t = dq if need_dq else q
         launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
             q, k, v, grad_out, lse, delta, dq_t, mask_t, row_lo, row_hi, *strides, *dq_t.stride(), *scalars, **common,
             DELTA_ONLY=True, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
             num_stages=dq_cfg.num_stages,
         )
+    elif not gluon_dq:
+        pre_m = 64 if bdv <= 128 else 32
+        launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
+        )
+    if gluon_dq:
+        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
+                                     hopper_intervals, cap_scale, out=None if exact_delta else out)
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
@@ -1098,9 +1098,6 @@ def attention_backward(
         )
     if atomic_dq:
         dq.copy_(dq32.view(B, H, L, -1)[..., :D])
-    elif gluon_dq and not gluon_dq_first:
-        hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
-                                     hopper_intervals, cap_scale)
     elif need_dq and not gluon_dq:
         cfg = dq_cfg
         launch(_attn_bwd_dq_kernel, (cdiv(L, cfg.block_m), B * H),
