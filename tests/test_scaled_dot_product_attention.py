@@ -114,7 +114,7 @@ def run_with_grads(fn, q, k, v, mask, grad, backend="auto"):
 
 
 def attention_error_bounds(q, k, v, mask, grad, is_causal, scale=None, u=UNIT_ROUNDOFF[torch.float32], dropout=None,
-                           operand_u=0.0):
+                           operand_u=0.0, softcap=0.0):
     """Elementwise bounds (float64) on the fp32 rounding error of attention's output and of its gradients for
     the incoming gradient ``grad``: {"output", "dq", "dk", "dv"[, "dmask" for a float mask]}, each of the shape
     of the tensor it bounds. Shapes (B, H, L, E) as ``check_parity`` takes them; GQA when H > H_kv.
@@ -124,7 +124,13 @@ def attention_error_bounds(q, k, v, mask, grad, is_causal, scale=None, u=UNIT_RO
     ``operand_u``: the unit roundoff of a 16-bit kernel's tensor-core operands and outputs (fp32 math otherwise):
     a FlashAttention-style kernel rounds P to the input dtype before P @ V and P^T @ dO, dS before dS @ K and
     dS^T @ Q, and every result (O, which delta then reads, and each gradient) to its dtype; each rounding adds
-    operand_u times the magnitude it rounds."""
+    operand_u times the magnitude it rounds.
+
+    ``softcap`` > 0: the scores are softcap * tanh(c q.k / softcap) before the mask is added (Gemma 2). tanh passes
+    its argument's error on times 1 - tanh^2 <= 1 and adds its own: at most 32u relative (the kernels' exact form
+    (1 - e) / (1 + e), e = exp(-2|x|), from |x| = 1/8, where 1 - e amplifies exp's few ulps by e / (1 - e) <= 3.6;
+    below, a Taylor polynomial; CPU libraries are within a few ulps); the backward multiplies dS by 1 - tanh^2,
+    whose error is 2 |tanh| times tanh's plus two roundings."""
     q, k, v, d_o = (t.detach().to(torch.float64) for t in (q, k, v, grad))
     H, L, E = q.shape[-3:]
     H_kv, S, EV = k.shape[-3], k.shape[-2], v.shape[-1]
@@ -133,21 +139,25 @@ def attention_error_bounds(q, k, v, mask, grad, is_causal, scale=None, u=UNIT_RO
     c = 1.0 / math.sqrt(E) if scale is None else scale
     keep = torch.ones(L, S, dtype=torch.bool, device=q.device)
     s = c * (q @ k.transpose(-1, -2))
-    mag_s = abs(c) * (q.abs() @ k.abs().transpose(-1, -2))
+    e_s = gamma(E + 4, u) * abs(c) * (q.abs() @ k.abs().transpose(-1, -2))  # the scores' error (absolute)
+    if softcap > 0.0:
+        t = torch.tanh(s / softcap)
+        e_s = (1 - t * t) * (e_s + u * s.abs()) + 33 * u * softcap * t.abs()  # tanh's argument, tanh, the cap's *
+        e_t, s = e_s / softcap, softcap * t
     if mask is not None and mask.dtype == torch.bool:
         keep = keep & mask
     elif mask is not None:
         m = mask.detach().to(torch.float64)
         keep = keep & (m != float("-inf"))
         m = m.masked_fill(m == float("-inf"), 0.0)
-        s, mag_s = s + m, mag_s + m.abs()
+        s, e_s = s + m, e_s + gamma(E + 4, u) * m.abs()
     if is_causal:
         keep = keep & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, -1, keepdim=True)
     p = torch.exp(s - lse).nan_to_num(0.0)  # fully-masked rows: 0
     lse = lse.nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    r = torch.where(keep, gamma(E + 4, u) * mag_s + 2 * u * (s - lse).abs() + 8 * u, 0.0)
+    r = torch.where(keep, e_s + 2 * u * (s - lse).abs() + 8 * u, 0.0)
     rho = (p * r).sum(-1, keepdim=True) + gamma(2 * S, u) + 8 * u * (lse.abs() + 1)
     e_p = torch.where(keep, p * (r + rho) + 2.0**-126, 0.0)
     v_abs, do_abs = v.abs(), d_o.abs()
@@ -167,6 +177,10 @@ def attention_error_bounds(q, k, v, mask, grad, is_causal, scale=None, u=UNIT_RO
     a = (dp - delta).abs()
     ds = p * (dp - delta)
     e_ds = e_p * a + p * (e_dp + e_delta) + 2 * u * p * a
+    ds_mask, e_ds_mask = ds, e_ds  # the mask is added after the cap: its gradient is dS itself
+    if softcap > 0.0:  # through the cap: dS (1 - tanh^2)
+        g = 1 - t * t
+        ds, e_ds = ds * g, e_ds * g + ds.abs() * (2 * t.abs() * e_t + 2 * u) + 3 * u * (ds * g).abs()
 
     def per_kv_head(t):  # the G query heads of a group add into one key/value head
         return t.unflatten(-3, (H_kv, G)).sum(-3)
@@ -182,9 +196,10 @@ def attention_error_bounds(q, k, v, mask, grad, is_causal, scale=None, u=UNIT_RO
               + operand_u * per_kv_head((p * kf).transpose(-1, -2) @ d_o).abs(),
     }
     if mask is not None and mask.dtype != torch.bool:
-        n_summed = ds.numel() // max(1, mask.numel())
-        bounds["dmask"] = (e_ds.sum_to_size(mask.shape) + gamma(max(n_summed, 1), u) * ds.abs().sum_to_size(mask.shape)
-                           + max(u, operand_u) * ds.sum_to_size(mask.shape).abs())
+        n_summed = ds_mask.numel() // max(1, mask.numel())
+        bounds["dmask"] = (e_ds_mask.sum_to_size(mask.shape)
+                           + gamma(max(n_summed, 1), u) * ds_mask.abs().sum_to_size(mask.shape)
+                           + max(u, operand_u) * ds_mask.sum_to_size(mask.shape).abs())
     return bounds
 
 
@@ -1342,6 +1357,23 @@ WINDOW_CASES = [
 ]
 
 
+def window_mask(mask, L, S, window, device):
+    """attn_mask with the window's limits added (i - left <= j <= i + right, top-left aligned): a bool mask of the
+    pairs both keep, or a float mask with -inf outside the window; None without either."""
+    if window == (-1, -1):
+        return mask
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    keep = torch.ones(L, S, dtype=torch.bool, device=device)
+    if window[0] >= 0:
+        keep = keep & (j >= i - window[0])
+    if window[1] >= 0:
+        keep = keep & (j <= i + window[1])
+    if mask is None:
+        return keep
+    return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+
+
 def check_window_softcap(case, dtype, device="cpu", backend="auto"):
     B, H, H_kv, L, S, D, causal, mask, window, softcap = case
     q, k, v, m = make_inputs(B, H, H_kv, L, S, D, D, dtype, device=device, mask=mask,
@@ -1362,13 +1394,44 @@ def check_window_softcap(case, dtype, device="cpu", backend="auto"):
     out_s, grads_s = run_with_grads(stock, q, k, v, m, grad)
     out_r, grads_r = run_with_grads(stock, up(q), up(k), up(v), up(m), grad.double())
     assert len(grads_f) == len(grads_r) == 3 + (mask == "float")
+    # fp32 by the error model (check_parity's rule), the window as a mask of the pairs it keeps
+    bounds = (attention_error_bounds(q, k, v, window_mask(m, L, S, window, device), grad, causal,
+                                     softcap=softcap)
+              if dtype == torch.float32 else None)
     for name, xf, xs, xr in zip(("output", "dq", "dk", "dv", "dmask"), [out_f, *grads_f], [out_s, *grads_s],
                                 [out_r, *grads_r], strict=False):
         assert not xf.isnan().any(), name
-        assert_parity(xf, xs, xr, name)
+        if bounds is not None:
+            assert_within_bound(xf, xr, bounds[name], f"fused {name}")
+            assert_within_bound(xs, xr, bounds[name], f"stock {name} (the error model itself)")
+        else:
+            assert_parity(xf, xs, xr, name)
     # the window and the cap change the result: these are not plain attention
     plain = fl.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=H != H_kv)
     assert (plain.double() - out_r).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bug", ["softcap_off_by_1e-3", "window_one_key_wider"])
+def test_window_softcap_error_bound_catches_wrong_results(bug):
+    """The fp32 error model of windows and soft-capping (loose enough for any CPU's summation order and tanh) fails
+    fp32 attention with the cap off by a relative 1e-3 (a score moves by that times d(cap tanh(x / cap)) / d cap,
+    about a tenth of the score here), or a window one key wider; the right one passes."""
+    q, k, v, _ = make_inputs(2, 2, 2, 40, 40, 32, 32, torch.float32)
+    grad = torch.randn(2, 2, 40, 32)
+    window, cap = (3, 0), 2.0
+    wrong = ((window, cap * (1 + 1e-3)) if bug == "softcap_off_by_1e-3" else ((4, 0), cap))
+    bounds = attention_error_bounds(q, k, v, window_mask(None, 40, 40, window, "cpu"), grad, True, softcap=cap)
+    ref = run_with_grads(lambda *t: explicit_attention(*t, True, window, cap), *(x.double() for x in (q, k, v)),
+                         None, grad.double())
+
+    def within(w, c):
+        out, grads = run_with_grads(lambda *t: explicit_attention(*t, True, w, c), q, k, v, None, grad)
+        for name, x, xr in zip(("output", "dq", "dk", "dv"), [out, *grads], [ref[0], *ref[1]], strict=True):
+            assert_within_bound(x, xr, bounds[name], name)
+
+    within(window, cap)
+    with pytest.raises(AssertionError, match="exceeds the error bound"):
+        within(*wrong)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
