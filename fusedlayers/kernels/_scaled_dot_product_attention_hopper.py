@@ -18,7 +18,7 @@ inline, with a writer partition or pipelined: h100-attention-experiments.md, ses
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 2048, H100, session 13): forward 0.96-1.15x, forward+backward 0.89-1.02x.
+(D 64/128, L >= 2048, H100, session 14): forward 1.00-1.12x, forward+backward 0.89-1.00x.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask or dropout, a positive scale, inputs (and
 the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
