@@ -1330,10 +1330,7 @@ def explicit_attention(q, k, v, mask, is_causal, window=(-1, -1), softcap=0.0):
         s = s + mask
     if is_causal:
         keep = keep & (j <= i)
-    if window[0] >= 0:
-        keep = keep & (j >= i - window[0])
-    if window[1] >= 0:
-        keep = keep & (j <= i + window[1])
+    keep = window_mask(keep, q.shape[-2], k.shape[-2], window, q.device)
     p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
     return p @ v
 

@@ -1044,8 +1044,8 @@ def attention_backward(
     sparse = tuple(window) != (-1, -1) or intervals is not None
     dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
     # which kernels run: the Hopper ones where they apply (deterministic, and faster there than the atomic dQ
-    # below), else the Triton dK/dV kernel, which adds dQ too where fl.use_deterministic_attention(False) allows and
-    # that pays
+    # below), else the Triton dK/dV kernel, which also adds dQ atomically where fl.use_deterministic_attention(False)
+    # allows it and it measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
