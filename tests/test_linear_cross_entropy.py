@@ -459,6 +459,10 @@ def test_default_chunk_size(monkeypatch):
     grad_bytes = 128256 * 2048 * 2
     rows = lce_ops.default_chunk_size(8192, 128256, torch.bfloat16, torch.device("cuda"), grad_bytes)
     assert rows == 2048
+    # a small weight's cap is raised to MIN_CAP_BYTES (each chunk is one more pass over the accumulator): llama-small's
+    # LM head (V=50304, H=768) gets 2560-row chunks, not the 768 its 77 MB weight copy would allow
+    rows = lce_ops.default_chunk_size(32768, 50304, torch.bfloat16, torch.device("cuda"), 50304 * 768 * 2)
+    assert rows == 2560 and rows * 50304 * 2 <= lce_ops.MIN_CAP_BYTES
 
 
 def test_chunk_cap_when_the_accumulator_is_the_gradient(monkeypatch):
