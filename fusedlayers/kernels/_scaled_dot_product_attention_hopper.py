@@ -80,9 +80,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scal
     """Whether this kernel runs the call: ``plain`` = no mask or dropout (windows and packed sequences come as key
     intervals, the soft-cap as ``cap_scale``); ``keys_per_row``: with intervals, about how many keys a row attends
     (else all, or half when causal)."""
-    if gluon is None or not plain or scale <= 0.0 or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if gluon is None or not plain or scale <= 0.0 or not q.is_cuda or not _is_hopper(q.device):
         return False
     if k.shape[2] == 0:  # no keys: the kernel would wait for a first K block that never comes
         return False
@@ -93,6 +91,13 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scal
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
     return all(_tma_compatible(t) for t in (q, k, v))
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU, asked once per device (torch's query costs 5 us a call on the lent GPUs'
+    hosts, and every attention call asked it twice)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool, keys_per_row: float | None) -> float:
@@ -771,7 +776,7 @@ def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: b
     """As ``applies`` (grad_out too in TMA's reach)."""
     if gluon is None or not enabled or not plain or scale <= 0.0 or not q.is_cuda:
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or k.shape[2] == 0 or q.shape[2] == 0:
+    if not _is_hopper(q.device) or k.shape[2] == 0 or q.shape[2] == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
         return False
