@@ -184,12 +184,17 @@ def scaled_dot_product_attention(
         kv_heads = heads
     n_batch = math.prod(batch)
 
+    def folded(t: Tensor, h: int) -> bool:  # already (B, H, L, E): taken as is (each view would cost the eager call
+        return t.dim() == 4 and t.shape[:2] == (n_batch, h)  # an autograd node, ~10 us of a GPU host's time)
+
     def fold(t: Tensor, h: int) -> Tensor:
+        if folded(t, h):
+            return t
         t = t.expand(*batch, h, *t.shape[-2:])
         return t.reshape(n_batch, h, *t.shape[-2:])
 
     def fold_transposed(t: Tensor, h: int) -> Tensor:  # the same view, broadcast as t^T: torch's dK layout
-        return fold(t.transpose(-1, -2), h).transpose(-1, -2)
+        return t if folded(t, h) else fold(t.transpose(-1, -2), h).transpose(-1, -2)
 
     query, value = fold(query, heads), fold(value, kv_heads)
     key = fold_transposed(key, kv_heads) if layout == _attention_ops.LAYOUT_CONTIGUOUS else fold(key, kv_heads)
@@ -200,7 +205,7 @@ def scaled_dot_product_attention(
         _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal,
         scale, layout, *window_size, float(softcap),
     )
-    return out.reshape(*out_batch, q_len, out.shape[-1])
+    return out if out.shape[:-2] == out_batch else out.reshape(*out_batch, q_len, out.shape[-1])
 
 
 def varlen_attention(
