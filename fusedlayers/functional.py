@@ -184,8 +184,10 @@ def scaled_dot_product_attention(
         kv_heads = heads
     n_batch = math.prod(batch)
 
-    def folded(t: Tensor, h: int) -> bool:  # already (B, H, L, E): taken as is (each view would cost the eager call
-        return t.dim() == 4 and t.shape[:2] == (n_batch, h)  # an autograd node, ~10 us of a GPU host's time)
+    def folded(t: Tensor, h: int) -> bool:
+        """Already (B, H, L, E): passed on as is (each identity view would add an autograd node to the backward of
+        every eager call, 5-15 us of a GPU host's time)."""
+        return t.dim() == 4 and t.shape[:2] == (n_batch, h)
 
     def fold(t: Tensor, h: int) -> Tensor:
         if folded(t, h):
