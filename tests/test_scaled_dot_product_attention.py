@@ -1354,18 +1354,28 @@ WINDOW_CASES = [
 ]
 
 
-def window_mask(mask, L, S, window, device):
-    """attn_mask with the window's limits added (i - left <= j <= i + right, top-left aligned): a bool mask of the
-    pairs both keep, or a float mask with -inf outside the window; None without either."""
-    if window == (-1, -1):
-        return mask
-    i = torch.arange(L, device=device)[:, None]
+def kept_pairs(L, S, window, device, causal=False, shift=0):
+    """The (query, key) pairs kept, (L, S) bool: query i sits at key i + shift (0: top-left aligned, as SDPA's;
+    S - L: bottom-right, as a varlen sequence's), keys j <= i + shift when causal, i + shift - left <= j <=
+    i + shift + right within the window (-1: unbounded)."""
+    i = torch.arange(L, device=device)[:, None] + shift
     j = torch.arange(S, device=device)[None, :]
     keep = torch.ones(L, S, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (j <= i)
     if window[0] >= 0:
         keep = keep & (j >= i - window[0])
     if window[1] >= 0:
         keep = keep & (j <= i + window[1])
+    return keep
+
+
+def window_mask(mask, L, S, window, device):
+    """attn_mask with the window's limits added (top-left aligned): a bool mask of the pairs both keep, or a float
+    mask with -inf outside the window; None without either."""
+    if window == (-1, -1):
+        return mask
+    keep = kept_pairs(L, S, window, device)
     if mask is None:
         return keep
     return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))

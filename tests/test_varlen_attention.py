@@ -18,21 +18,13 @@ from tests.test_scaled_dot_product_attention import (
     attention_error_bounds,
     gluon_kernel_calls,
     gluon_kernels_on_intervals,
+    kept_pairs,
 )
 
 
 def sequence_keep(L, S, causal, window, device):
     """The (query, key) pairs a sequence keeps: bottom-right aligned (query i of L at key i + S - L)."""
-    i = torch.arange(L, device=device)[:, None] + S - L
-    j = torch.arange(S, device=device)[None, :]
-    keep = torch.ones(L, S, dtype=torch.bool, device=device)
-    if causal:
-        keep &= j <= i
-    if window[0] >= 0:
-        keep &= j >= i - window[0]
-    if window[1] >= 0:
-        keep &= j <= i + window[1]
-    return keep
+    return kept_pairs(L, S, window, device, causal, shift=S - L)
 
 
 def per_sequence_bounds(q, k, v, grad, cu_q, cu_k, causal, window, softcap):
