@@ -620,62 +620,61 @@ if gluon is not None:
                 # nothing to compute (it was a whole causal row of blocks before: 6% of a D64 causal 2K head)
                 mbarrier.arrive(q_empty, count=1)
                 kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead, STAGES)
-            else:
-                if CONSUMERS == 2:
+            elif CONSUMERS == 2:
+                slot = kv % STAGES
+                mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo, m0, S, row_lo,
+                                                   row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
+                                                   SOFTCAP, s_layout)
+                for j in range(1, n):
+                    prev, prev_phase = slot, (kv // STAGES) & 1
+                    kv += 1
                     slot = kv % STAGES
                     mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
-                    s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                      s_zero, use_acc=False, is_async=True)
+                    mbarrier.wait(v_full.index(prev), phase=prev_phase)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                        v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m,
+                                                       lo + j * BLOCK_N, m0, S, row_lo, row_hi, seen_lo, seen_hi,
+                                                       BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, s_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
+                mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                    v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(slot), count=1)
+                kv = _ws_release(k_full, v_full, k_empty, v_empty, kv + 1, n_tile - lead - n, STAGES)
+            else:  # three warpgroups: one's softmax runs under the others' products (S and P of one block live)
+                for j in range(n):
+                    slot = kv % STAGES
+                    mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                      s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     mbarrier.arrive(k_empty.index(slot), count=1)
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m, lo, m0, S, row_lo,
-                                                       row_hi, seen_lo, seen_hi, BLOCK_N, CAUSAL, EVEN_S, INTERVALS,
-                                                       SOFTCAP, s_layout)
-                    for j in range(1, n):
-                        prev, prev_phase = slot, (kv // STAGES) & 1
-                        kv += 1
-                        slot = kv % STAGES
-                        mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
-                        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                          s_zero, use_acc=False, is_async=True)
-                        mbarrier.wait(v_full.index(prev), phase=prev_phase)
-                        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                            v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
-                        mbarrier.arrive(k_empty.index(slot), count=1)
-                        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m,
-                                                           lo + j * BLOCK_N, m0, S, row_lo, row_hi, seen_lo, seen_hi,
-                                                           BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, s_layout)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        mbarrier.arrive(v_empty.index(prev), count=1)
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                    mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m,
+                                                       lo + j * BLOCK_N, m0, S, row_lo, row_hi, seen_lo, seen_hi,
+                                                       BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, s_layout)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
                     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                         v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     mbarrier.arrive(v_empty.index(slot), count=1)
-                    kv = _ws_release(k_full, v_full, k_empty, v_empty, kv + 1, n_tile - lead - n, STAGES)
-                else:  # three warpgroups: one's softmax runs under the others' products (S and P of one block live)
-                    for j in range(n):
-                        slot = kv % STAGES
-                        mbarrier.wait(k_full.index(slot), phase=(kv // STAGES) & 1)
-                        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                          s_zero, use_acc=False, is_async=True)
-                        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                        mbarrier.arrive(k_empty.index(slot), count=1)
-                        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, cap_scale, offs_m,
-                                                           lo + j * BLOCK_N, m0, S, row_lo, row_hi, seen_lo, seen_hi,
-                                                           BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP, s_layout)
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                        mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
-                        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                            v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        mbarrier.arrive(v_empty.index(slot), count=1)
-                        kv += 1
-                    mbarrier.arrive(q_empty, count=1)
-                    kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead - n, STAGES)
+                    kv += 1
+                mbarrier.arrive(q_empty, count=1)
+                kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead - n, STAGES)
             i += 1
 
             if INTERVALS:  # a row without keys: output 0, logsumexp +inf (as the Triton kernel writes)
