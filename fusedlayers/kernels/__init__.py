@@ -57,9 +57,10 @@ def _args_key(args: tuple) -> tuple:
     """A key that changes wherever Triton's specialization of the kernel arguments does: each tensor's dtype and
     16-byte alignment; ints by value (finer than Triton's ==1, %16 and 32/64-bit range, and cheaper to take); bools
     apart from ints; a TMA descriptor's element type, block shape and shared-memory layout (Gluon's; its shape and
-    strides are runtime values); the type of everything else. One comprehension: it runs on every launch."""
-    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor)
-                  else a if a.__class__ is int
+    strides are runtime values); the type of everything else. One comprehension, ints tested first (most of a
+    launch's arguments are shapes and strides): it runs on every launch."""
+    return tuple([a if a.__class__ is int
+                  else (a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor)
                   else (a.__class__, a) if isinstance(a, int)
                   else (a.__class__, a.base.dtype, *a.block_shape, getattr(a, "layout", None))
                   if hasattr(a, "block_shape") else a.__class__ for a in args])

@@ -860,7 +860,13 @@ def kernel_config(kind: str, device: torch.device, dtype: torch.dtype, d: int, d
     override = {"fwd": FWD_CONFIG, "dkdv": BWD_DKDV_CONFIG, "dq": BWD_DQ_CONFIG}[kind]
     if override is not None:
         return override
-    if device.type != "cuda":
+    return _table_config(kind, device.type, dtype, d, dv, is_causal, has_mask, sparse, atomic_dq)
+
+
+@functools.lru_cache(maxsize=256)  # merging the tables costs ~5 us of host time a call; three calls a fwd+bwd
+def _table_config(kind: str, device_type: str, dtype: torch.dtype, d: int, dv: int, is_causal: bool, has_mask: bool,
+                  sparse: bool, atomic_dq: bool) -> Config:
+    if device_type != "cuda":
         return _INTERPRETER[kind]
     if atomic_dq and kind == "dkdv":  # only ever 16-bit, head dims in (64, 128]: _atomic_dq_pays
         return _DKDV_ATOMIC
