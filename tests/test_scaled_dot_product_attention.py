@@ -1558,6 +1558,25 @@ def test_cuda_hopper_softcap(case, dtype, monkeypatch):
     assert set(calls) == set(GLUON_KERNELS)
 
 
+# D256 (Gemma's head dim): the Gluon forwards (warp-specialized dense, one-warpgroup on a window), the Triton backward
+HOPPER_D256_CASES = [
+    (1, 4, 2, 300, 300, 256, True, None, (70, 0), 25.0),
+    (2, 2, 2, 257, 200, 256, False, None, (60, 45), 0.0),
+    (1, 4, 4, 257, 400, 256, False, None, (-1, -1), 10.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_D256_CASES, ids=lambda c: f"L{c[3]}S{c[4]}w{c[8][0]},{c[8][1]}cap{c[9]}")
+def test_cuda_hopper_d256_forward(case, dtype, monkeypatch):
+    """At head dim 256 the forward runs a Gluon kernel (windows, soft-cap, GQA, ragged L != S), the backward the
+    Triton kernels on its logsumexp: parity of the output and every gradient."""
+    calls = gluon_kernel_calls(monkeypatch)
+    check_window_softcap(case, dtype, device="cuda")
+    assert set(calls) == {"attention_forward"}  # (each check runs the forward more than once)
+
+
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     """The Hopper (Gluon) kernels called from now on, by launcher name (the warp-specialized forward's as well), with
     MIN_FLOPS off (test shapes are small) and key intervals on the warp-specialized forward or not (whatever their
@@ -1656,6 +1675,8 @@ HOPPER_WS_CASES = [
     (3, 4, 2, 700, 700, 128, True),
     (4, 8, 4, 2100, 2100, 64, True),
     (2, 16, 8, 1500, 1500, 128, True),
+    (2, 4, 2, 700, 1000, 256, False),  # D256: 32-key blocks, the backward the Triton kernels'
+    (1, 4, 4, 1100, 1100, 256, True),
 ]
 
 
@@ -1712,8 +1733,10 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(64, True, s=2048, rows=2047) == (3, True, 2)
     assert configs[(128, True)] == (2, True, 2)  # causal persistent too, its tiles dealt by _causal_schedule
     assert route(128, True, s=8192) == (2, True, 2) and route(128, True, s=8193) == (2, False, 2)
+    assert route(256, False, s=64) == (2, True, 2) and route(256, True, s=16384) == (3, True, 2)
     intervals = (torch.empty(0),) * 4
     assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
+    assert route(256, True, intervals=intervals, keys=16384) is None  # D256 on intervals: the one-warpgroup forward
     for d in (64, 128):
         *config, wide = hopper._WS_INTERVAL_CONFIGS[d]
         assert route(d, False, intervals=intervals) is None  # the width unknown

@@ -20,10 +20,11 @@ Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 20
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
 (D 64/128, L >= 2048, H100, session 14): forward 1.00-1.12x, forward+backward 0.89-1.00x.
 
-They cover fp16/bf16, head dims 64 and 128 (D = Dv), no attn_mask or dropout, a positive scale, inputs (and
-the output's gradient) the TMA can describe (last dim contiguous, other strides and the base 16-byte aligned), calls
-of at least MIN_FLOPS. Windows and packed sequences (fl.varlen_attention) come as per-row key intervals: the key
-blocks no row of a query block reaches are skipped, the edge blocks masked.
+They cover fp16/bf16, head dims 64 and 128 (D = Dv; the forward also 256, whose backward is the Triton kernels'),
+no attn_mask or dropout, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim
+contiguous, other strides and the base 16-byte aligned), calls of at least MIN_FLOPS. Windows and packed sequences
+(fl.varlen_attention) come as per-row key intervals: the key blocks no row of a query block reaches are skipped, the
+edge blocks masked.
 Gemma 2's soft-cap (``cap_scale`` > 0) is the hardware's tanh on each score, in every kernel (the backward
 multiplies dS by the cap's derivative, 1 - tanh^2, of the score it already forms). Everything else, other GPUs and
 the interpreter run the Triton kernels, whose logsumexp this forward writes in the same units (natural log, fp32), so
@@ -60,7 +61,10 @@ enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the T
 # (BLOCK_M, BLOCK_N, V ring depth) per (head dim, causal), 4 warps: the fastest of five shapes each on an H100.
 # 64 x 128 tiles with a one-deep V ring keep two programs (115 KB of shared memory each) on an SM at D128;
 # causal needs BLOCK_M to be a multiple of BLOCK_N (the diagonal block).
-_CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2)}
+_CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2),
+            (256, False): (64, 32, 2), (256, True): (64, 32, 2)}
+# Head dims the forwards take; the backward's passes take 64 and 128 (_backward_applies): D256's is the Triton one.
+FORWARD_HEAD_DIMS = (64, 128, 256)
 
 
 # Smaller calls keep the Triton forward. At B*L = 16384, H*D = 2048 (4 * 16384 * 2048 * L flops, half of it causal)
@@ -88,7 +92,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scal
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return False
-    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+    if q.shape[-1] not in FORWARD_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
     return all(_tma_compatible(t) for t in (q, k, v))
 
@@ -382,15 +386,22 @@ if gluon is not None:
 # with fewer keys: not causal below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous
 # benchmark tables on both cards), causal below 2K (128-key blocks mask more of the diagonal where a causal row has
 # few blocks).
+# D256 (session 16, .gpu/d256.py, H100, forward TFLOP/s at L 1K / 2K / 4K / 16K against the Triton forward): two
+# consumers on 32-key blocks, persistent, not causal 2-deep ring 475 / 506 / 529 / 553 (Triton 363 / 410 / 432 / 432;
+# the forward above with 64 x 32 tiles 438 / 457 / 481 / 499), causal 3-deep 281 / 473 / 543 / 525 (2-deep 388 / 484
+# / 494 / 503; Triton 273 / 332 / 377 / 449; causal L = 1K is below MIN_FLOPS).
 _WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, True, 3, 2048), (128, False): (2, True, 2, 0),
-               (128, True): (2, True, 2, 0)}
+               (128, True): (2, True, 2, 0), (256, False): (2, True, 2, 0), (256, True): (3, True, 2, 0)}
 # D128 causal calls with more keys than this keep one program a tile: persistent 0.96-0.99x there at 16K (three runs),
 # 1.03-1.07x at 2K-4K.
-PERSISTENT_CAUSAL_MAX_KEYS = {64: float("inf"), 128: 8192}
+PERSISTENT_CAUSAL_MAX_KEYS = {64: float("inf"), 128: 8192, 256: float("inf")}
 # Three consumers were measured on L = S calls from 2K rows; on fewer query rows a 192-row tile leaves up to a third of
 # its rows empty (L = 1000: 13% more rows computed than with 128-row tiles, about their gain), so those keep two
 # consumers (session 10's config, 3-deep ring).
 THREE_CONSUMERS_MIN_ROWS = 2048
+# Key block of the warp-specialized forward per head dim (D256: 64 KB of Q and 64 KB of O staging for two consumers
+# leave room for 32-key K/V blocks, 16 KB each, in a 2- or 3-deep ring).
+WS_BLOCK_N = {64: 128, 128: 128, 256: 32}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 ws_schedule = True  # persistent causal programs take their tiles from _causal_schedule's table (A/B switch)
 
@@ -411,8 +422,8 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     above runs; ``keys_per_row`` as ``applies``'."""
     if not ws_enabled or not _tma_compatible(out):
         return None
-    if intervals is not None:
-        *config, min_keys = _WS_INTERVAL_CONFIGS[q.shape[-1]]
+    if intervals is not None:  # D256: the forward above (not measured on intervals here)
+        *config, min_keys = _WS_INTERVAL_CONFIGS.get(q.shape[-1], (None, None, None, float("inf")))
         return tuple(config) if keys_per_row is not None and keys_per_row >= min_keys else None
     stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     if k.shape[2] < min_keys:
@@ -465,7 +476,7 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
                               consumers: int) -> None:
     B, H, L, D = q.shape
     S = k.shape[2]
-    block_m, block_n = 64, 128
+    block_m, block_n = 64, WS_BLOCK_N[D]
     num_m = cdiv(L, consumers * block_m)
     num_tiles = num_m * B * H
     grid = (min(num_tiles, _sm_count(q.device.index)) if persistent else num_tiles,)
