@@ -1558,7 +1558,7 @@ def test_cuda_hopper_softcap(case, dtype, monkeypatch):
     assert set(calls) == set(GLUON_KERNELS)
 
 
-# D256 (Gemma's head dim): the Gluon forwards (warp-specialized dense, one-warpgroup on a window), the Triton backward
+# D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window), the Triton backward
 HOPPER_D256_CASES = [
     (1, 4, 2, 300, 300, 256, True, None, (70, 0), 25.0),
     (2, 2, 2, 257, 200, 256, False, None, (60, 45), 0.0),
@@ -1567,14 +1567,16 @@ HOPPER_D256_CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_D256_CASES, ids=lambda c: f"L{c[3]}S{c[4]}w{c[8][0]},{c[8][1]}cap{c[9]}")
-def test_cuda_hopper_d256_forward(case, dtype, monkeypatch):
-    """At head dim 256 the forward runs a Gluon kernel (windows, soft-cap, GQA, ragged L != S), the backward the
-    Triton kernels on its logsumexp: parity of the output and every gradient."""
-    calls = gluon_kernel_calls(monkeypatch)
+def test_cuda_hopper_d256_forward(case, dtype, ws, monkeypatch):
+    """At head dim 256 the forward runs a Gluon kernel (windows on either forward, soft-cap, GQA, ragged L != S), the
+    backward the Triton kernels on its logsumexp: parity of the output and every gradient."""
+    calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_window_softcap(case, dtype, device="cuda")
-    assert set(calls) == {"attention_forward"}  # (each check runs the forward more than once)
+    on_intervals = ws and case[8] != (-1, -1)
+    assert set(calls) == {"attention_forward"} | ({"_forward_warp_specialized"} if on_intervals else set())
 
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
@@ -1735,9 +1737,8 @@ def test_hopper_warp_specialized_forward_routing(monkeypatch):
     assert route(128, True, s=8192) == (2, True, 2) and route(128, True, s=8193) == (2, False, 2)
     assert route(256, False, s=64) == (2, True, 2) and route(256, True, s=16384) == (3, True, 2)
     intervals = (torch.empty(0),) * 4
-    assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
-    assert route(256, True, intervals=intervals, keys=16384) is None  # D256 on intervals: the one-warpgroup forward
-    for d in (64, 128):
+    assert hopper._WS_INTERVAL_CONFIGS == {64: (3, True, 2, 4096), 128: (2, False, 2, 2048), 256: (2, False, 2, 0)}
+    for d in (64, 128, 256):
         *config, wide = hopper._WS_INTERVAL_CONFIGS[d]
         assert route(d, False, intervals=intervals) is None  # the width unknown
         assert route(d, False, intervals=intervals, keys=wide - 1) is None

@@ -413,7 +413,10 @@ ws_schedule = True  # persistent causal programs take their tiles from _causal_s
 # benchmark's documents of up to 2663 tokens 0.93x: short intervals waste more of 128-key blocks); D64 persistent from
 # 4096 keys, window 4096 1.04x (one program a tile: 1.01x; H200 1.03x), documents with a 4096 window 1.00x
 # (persistent programs are dealt tiles statically; at D64 window 2048 and documents below 4096 keys 0.97-1.03x).
-_WS_INTERVAL_CONFIGS = {64: (3, True, 2, 4096), 128: (2, False, 2, 2048)}
+# D256 one program a tile at every width (.gpu/d256w.py, H200, session 16, 16K tokens causal, H = 8): windows 1024 /
+# 2048 / 4096 / 8192 forward 1.22x / 1.10x / 1.07x / 1.15x the Triton forward (persistent: 0.93-1.22x; the forward
+# above: 0.94-1.05x), forward+backward 1.02-1.03x.
+_WS_INTERVAL_CONFIGS = {64: (3, True, 2, 4096), 128: (2, False, 2, 2048), 256: (2, False, 2, 0)}
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: torch.Tensor,
@@ -422,8 +425,8 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, is_causal: bool, out: to
     above runs; ``keys_per_row`` as ``applies``'."""
     if not ws_enabled or not _tma_compatible(out):
         return None
-    if intervals is not None:  # D256: the forward above (not measured on intervals here)
-        *config, min_keys = _WS_INTERVAL_CONFIGS.get(q.shape[-1], (None, None, None, float("inf")))
+    if intervals is not None:
+        *config, min_keys = _WS_INTERVAL_CONFIGS[q.shape[-1]]
         return tuple(config) if keys_per_row is not None and keys_per_row >= min_keys else None
     stages, persistent, consumers, min_keys = _WS_CONFIGS[(q.shape[-1], is_causal)]
     if k.shape[2] < min_keys:
