@@ -241,6 +241,24 @@ def test_cuda_hopper_kernels(case, dtype, ws, monkeypatch):
     assert set(calls) == gluon_kernels_on_intervals(ws)
 
 
+# D256: the Gluon forward (either one on intervals), the Triton backward
+HOPPER_D256_CASES = [
+    ([300, 1, 0, 200, 150], None, 4, 2, 256, True, (-1, -1), 0.0),
+    ([200, 150], [120, 260], 2, 2, 256, False, (100, 50), 20.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_D256_CASES, ids=[f"case{i}" for i in range(len(HOPPER_D256_CASES))])
+def test_cuda_hopper_d256(case, dtype, ws, monkeypatch):
+    """At head dim 256 packed sequences run a Gluon forward and the Triton backward: the parity rule holds."""
+    calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
+    check(case, dtype, device="cuda")
+    assert set(calls) == {"attention_forward"} | ({"_forward_warp_specialized"} if ws else set())
+
+
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])
 def test_reference_in_small_chunks(case, monkeypatch):
     """The reference's query chunks (each against the keys its rows' intervals span, batched) add up to the same
