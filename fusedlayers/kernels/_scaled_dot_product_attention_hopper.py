@@ -63,8 +63,9 @@ enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the T
 # causal needs BLOCK_M to be a multiple of BLOCK_N (the diagonal block).
 _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2),
             (256, False): (64, 32, 2), (256, True): (64, 32, 2)}
-# Head dims the forwards take; the backward's passes take 64 and 128 (_backward_applies): D256's is the Triton one.
+# Head dims the forwards and the backward's passes take (D256's backward: the Triton kernels).
 FORWARD_HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
 
 
 # Smaller calls keep the Triton forward. At B*L = 16384, H*D = 2048 (4 * 16384 * 2048 * L flops, half of it causal)
@@ -793,7 +794,7 @@ def _backward_applies(q, k, v, grad_out, plain: bool, scale: float, is_causal: b
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
         return False
-    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+    if q.shape[-1] not in BACKWARD_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
     if _flops(q, k, is_causal, keys_per_row) < MIN_FLOPS:
         return False
