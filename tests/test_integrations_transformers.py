@@ -231,19 +231,55 @@ def test_float64_tight(arch, padding, counters):
 
 
 @needs_transformers
-def test_sliding_window_is_applied(counters):
-    """Mistral's window of 4 (< 12 tokens) changes the result, and our attention (through the mask) follows it."""
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_sliding_window_is_applied(padding, counters):
+    """Mistral's window of 4 (< 12 tokens) changes the result, and our attention follows it: without padding as the
+    op's window (the mask transformers built is exactly the causal window: not passed, blocks outside skipped), with
+    padding through the mask."""
     windowed, _ = _tiny("mistral")
     full = copy.deepcopy(windowed)
     full.config.sliding_window = None
     windowed = copy.deepcopy(windowed).double()
     reference = _float64_reference(windowed)
     flt.apply(windowed)
-    batch = _batch("none")
+    batch = _batch(padding)
     loss = windowed(**batch).loss
-    assert all(c["attn_mask"] is not None for c in counters["attention"])  # the window is in the mask
+    for c in counters["attention"]:
+        if padding == "none":
+            assert c["attn_mask"] is None and c["is_causal"] and c["window_size"] == (3, 0)
+        else:
+            assert c["attn_mask"] is not None and c["window_size"] == (-1, -1)
     torch.testing.assert_close(loss, _reference_loss(reference, batch), rtol=1e-12, atol=1e-12)
     assert abs(loss.item() - full.double()(**batch).loss.item()) > 1e-4
+
+
+@needs_transformers
+def test_mask_window_is_read_once_per_mask_and_never_stale():
+    """_mask_window: the window of an exact causal sliding-window mask (any batch and head broadcast), None for any
+    other mask; the answer is reused for the same unmodified tensor only (an in-place change, or a new tensor at the
+    same address, is read again)."""
+    L, w = 10, 4
+    i = torch.arange(L)
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    q = torch.empty(2, 4, L, 8)
+    kw = {"sliding_window": w}
+    mask = window.expand(2, 1, L, L).clone()
+    assert flt._mask_window(mask, q, q, kw) == w
+    assert flt._mask_window(window.expand(2, 4, L, L), q, q, kw) == w  # a broadcast view
+    assert flt._mask_window(mask, q, q, {"sliding_window": w + 1}) is None  # another window
+    assert flt._mask_window(mask, q, q, {}) is None and flt._mask_window(None, q, q, kw) is None
+    assert flt._mask_window(mask.float(), q, q, kw) is None  # an additive mask stays a mask
+    assert flt._mask_window(mask, q, q[:, :, :L - 1], kw) is None  # keys other than the queries (a cache)
+    mask[1, 0, 5, 4] = False  # padding-like: row 5 of batch 1 loses a key, in place
+    assert flt._mask_window(mask, q, q, kw) is None
+    mask[1, 0, 5, 4] = True
+    assert flt._mask_window(mask, q, q, kw) == w
+    del mask
+    padded = window.expand(2, 1, L, L).clone()
+    padded[0, 0, :, 0] = False  # a new tensor (maybe at the freed one's address), left-padded
+    assert flt._mask_window(padded, q, q, kw) is None
+    with torch.inference_mode():
+        assert flt._mask_window(window.expand(2, 1, L, L).clone(), q, q, kw) is None  # no version counter
 
 
 @needs_transformers

@@ -14,7 +14,9 @@
 mask at all for an unknown implementation), and selects it with ``model.set_attn_implementation`` (which
 also sets every sub-model and sub-config). The attention function mirrors transformers' own
 ``sdpa_attention_forward``: (B, H, L, D) inputs, (B, L, H, D) output and no weights; padding / sliding-window
-/ packed-sequence masks arrive as the 4-D boolean masks transformers builds for SDPA (float masks work too);
+/ packed-sequence masks arrive as the 4-D boolean masks transformers builds for SDPA (float masks work too); a
+sliding-window mask without padding (checked once per mask tensor, not while compiling) becomes the op's
+``window_size``, so the key blocks outside the window are skipped rather than masked;
 no mask means ``is_causal`` (top-left, and only when L > 1, keys cut to L when the cache has more, as SDPA's
 integration does); grouped-query attention reads the shared K/V heads (``enable_gqa``, no copy); dropout in
 training; Gemma 2's attention-logit soft-capping (``softcap``: the scaled score x becomes softcap * tanh(x /
@@ -156,6 +158,33 @@ def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tup
     return None
 
 
+# The last mask checked by _mask_window: a forward's sliding layers all pass the one mask transformers built for them.
+# A hit needs that same tensor (a weak reference: no stale hit once it is freed), unmodified since (its _version).
+_last_window_mask: list = [(None, 0, 0, False)]  # (weakref to the mask, its _version, window, is that window)
+
+
+def _mask_window(attention_mask, query, key, kwargs) -> int | None:
+    """The layer's ``sliding_window`` w where ``attention_mask`` is exactly causal with a window of w keys (query i
+    keeps keys i - w < j <= i: transformers' sliding-window causal mask without padding), so that the op can skip the
+    key blocks outside the window (``window_size=(w - 1, 0)``, no mask to read); else None. One read of the mask (a GPU
+    sync) per mask tensor: the layers sharing it reuse the answer. Not while compiling (reading values) and not for
+    inference tensors (no version counter to tell a change by): the mask is then passed as is."""
+    w = kwargs.get("sliding_window")
+    L = query.shape[2]
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool or type(w) is not int
+            or not 0 < w < L or key.shape[2] != L or tuple(attention_mask.shape[-2:]) != (L, L)
+            or torch.compiler.is_compiling() or attention_mask.is_inference()):
+        return None
+    ref, version, window, is_window = _last_window_mask[0]
+    if ref is not None and ref() is attention_mask and version == attention_mask._version and window == w:
+        return w if is_window else None
+    i = torch.arange(L, device=attention_mask.device)
+    pattern = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    is_window = torch.equal(attention_mask, pattern.expand(attention_mask.shape))
+    _last_window_mask[0] = (weakref.ref(attention_mask), attention_mask._version, w, is_window)
+    return w if is_window else None
+
+
 def _eager_attention_function(module: nn.Module):
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -206,6 +235,9 @@ def attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **call_kwargs)
 
     q_len = query.shape[2]
+    window = _mask_window(attention_mask, query, key, kwargs)
+    if window is not None:  # a causal sliding window without padding: the window, not its mask
+        attention_mask, is_causal = None, True
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:  # prefill into an empty static cache: the rest are empty slots
@@ -213,6 +245,7 @@ def attention_forward(
     out = _fl.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1], softcap=float(kwargs.get("softcap") or 0.0),
+        window_size=(window - 1, 0) if window is not None else (-1, -1),
     )
     return out.transpose(1, 2).contiguous(), None
 
