@@ -10,10 +10,11 @@
    tokens/s and peak memory (targets: 1.2x the tokens/s, at most 0.6x the peak). ``--thunder``: the same model under
    ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours), with
    two stand-ins that let Thunder 0.2.6 trace transformers 5 (see ``_let_thunder_trace_transformers``), and our GPT
-   (gpt-small) the same way; ``--only thunder``: our GPT alone.
+   (gpt-small) the same way; ``--only thunder``: our GPT alone. ``--window W``: Mistral's architecture instead (the
+   same sizes, a sliding window of W tokens: stock SDPA reads transformers' window mask, ours runs the window).
 
     python benchmarks/bench_integrations.py [--out benchmarks/results/h100-integrations.md] [--only sdpa|hf]
-                                            [--thunder] [--only thunder]
+                                            [--thunder] [--only thunder] [--window 1024 --seq 8192 --batch 1]
 """
 
 from __future__ import annotations
@@ -80,14 +81,18 @@ def sdpa_rows():
     return "## PyTorch SDPA: `activate_flash_attention_impl(\"fusedlayers\")`\n\n" + head + "\n" + "\n".join(rows)
 
 
-def llama(vocab: int, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama(vocab: int, layers: int, window: int | None = None, seq: int = 8192):
+    """The Llama-style model; with ``window``, Mistral's architecture (the same layers, attention within a sliding
+    window of that many tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=8192,
-                         attn_implementation="sdpa", tie_word_embeddings=False)
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if window else (LlamaConfig, LlamaForCausalLM)
+    extra = {"sliding_window": window} if window else {}
+    config = config_cls(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
+                        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=max(8192, seq),
+                        attn_implementation="sdpa", tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to("cuda", DTYPE)
+    return model_cls(config).to("cuda", DTYPE)
 
 
 def train_step(model, ids):
@@ -146,11 +151,11 @@ def _thunder_jit(model, with_ours: bool):
     return thunder.jit(model, executors=executors)
 
 
-def hf_rows(batch: int, seq: int, layers: int, thunder: bool):
+def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None = None):
     from fusedlayers.integrations import transformers as flt
 
     vocab = 128256
-    stock = llama(vocab, layers)
+    stock = llama(vocab, layers, window, seq)
     n_params = sum(p.numel() for p in stock.parameters()) / 1e9
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     variants = {  # name -> a function of a copy of the stock model
@@ -175,7 +180,8 @@ def hf_rows(batch: int, seq: int, layers: int, thunder: bool):
             for name, r in results.items()]
     head = ("| model | tokens/s | ms/step | peak GB (beyond weights) | speed vs stock | memory vs stock | loss |\n"
             "| --- | --- | --- | --- | --- | --- | --- |")
-    title = (f"## Hugging Face LlamaForCausalLM ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
+    arch = f"MistralForCausalLM, sliding window {window}" if window else "LlamaForCausalLM"
+    title = (f"## Hugging Face {arch} ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
              f"4 KV heads, vocabulary {vocab}), bf16, batch {batch} x {seq}, forward + backward with labels")
     return title + "\n\n" + head + "\n" + "\n".join(rows)
 
@@ -225,6 +231,8 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--window", type=int, default=None, help="hf: Mistral's architecture with this sliding window "
+                        "(e.g. --window 1024 --seq 8192 --batch 1)")
     parser.add_argument("--thunder", action="store_true", help="also the model under thunder.jit, with and without "
                         "our executor (needs lightning-thunder)")
     args = parser.parse_args()
@@ -234,7 +242,7 @@ def main():
     if args.only in (None, "sdpa"):
         sections.append(sdpa_rows())
     if args.only in (None, "hf"):
-        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder))
+        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder, args.window))
     if args.only == "thunder" or (args.only is None and args.thunder):
         sections.append(thunder_rows(8, 1024))
     report("\n\n".join(sections) + "\n", args.out)
