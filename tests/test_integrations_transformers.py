@@ -253,33 +253,101 @@ def test_sliding_window_is_applied(padding, counters):
     assert abs(loss.item() - full.double()(**batch).loss.item()) > 1e-4
 
 
-@needs_transformers
-def test_mask_window_is_read_once_per_mask_and_never_stale():
-    """_mask_window: the window of an exact causal sliding-window mask (any batch and head broadcast), None for any
-    other mask; the answer is reused for the same unmodified tensor only (an in-place change, or a new tensor at the
-    same address, is read again)."""
-    L, w = 10, 4
+def _documents_mask(lengths, w=None):
+    """The (L, L) bool mask transformers builds for packed documents of these lengths (and a sliding window w)."""
+    L = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     i = torch.arange(L)
-    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    keep = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    return keep & (i[None, :] > i[:, None] - w) if w else keep
+
+
+@needs_transformers
+def test_mask_structure_is_read_once_per_mask_and_never_stale():
+    """_mask_structure: documents (cu_seqlens over the flattened rows) and the sliding window of an exact causal
+    documents-and-window mask (any batch and head broadcast), None for any other mask; the answer is reused for the
+    same unmodified tensor only (an in-place change, or a new tensor at the same address, is read again)."""
+    L, w = 10, 4
     q = torch.empty(2, 4, L, 8)
     kw = {"sliding_window": w}
+    window = _documents_mask([L], w)
     mask = window.expand(2, 1, L, L).clone()
-    assert flt._mask_window(mask, q, q, kw) == w
-    assert flt._mask_window(window.expand(2, 4, L, L), q, q, kw) == w  # a broadcast view
-    assert flt._mask_window(mask, q, q, {"sliding_window": w + 1}) is None  # another window
-    assert flt._mask_window(mask, q, q, {}) is None and flt._mask_window(None, q, q, kw) is None
-    assert flt._mask_window(mask.float(), q, q, kw) is None  # an additive mask stays a mask
-    assert flt._mask_window(mask, q, q[:, :, :L - 1], kw) is None  # keys other than the queries (a cache)
-    mask[1, 0, 5, 4] = False  # padding-like: row 5 of batch 1 loses a key, in place
-    assert flt._mask_window(mask, q, q, kw) is None
+    assert flt._mask_structure(mask, q, q, kw) == (w, None, None)  # one document a row: the window alone
+    assert flt._mask_structure(window.expand(2, 4, L, L), q, q, kw) == (w, None, None)  # a broadcast view
+    assert flt._mask_structure(mask, q, q, {"sliding_window": w + 1}) is None  # another window
+    assert flt._mask_structure(_documents_mask([L]).expand(2, 1, L, L), q, q, {}) == (None, None, None)  # causal
+    assert flt._mask_structure(mask, q, q, {}) is None and flt._mask_structure(None, q, q, kw) is None
+    assert flt._mask_structure(mask.float(), q, q, kw) is None  # an additive mask stays a mask
+    assert flt._mask_structure(mask, q, q[:, :, :L - 1], kw) is None  # keys other than the queries (a cache)
+    mask[1, 0, 5, 4] = False  # row 5 of batch 1 loses a key, in place
+    assert flt._mask_structure(mask, q, q, kw) is None
     mask[1, 0, 5, 4] = True
-    assert flt._mask_window(mask, q, q, kw) == w
+    assert flt._mask_structure(mask, q, q, kw) == (w, None, None)
     del mask
     padded = window.expand(2, 1, L, L).clone()
     padded[0, 0, :, 0] = False  # a new tensor (maybe at the freed one's address), left-padded
-    assert flt._mask_window(padded, q, q, kw) is None
+    assert flt._mask_structure(padded, q, q, kw) is None
+    packed = torch.stack((_documents_mask([3, 1, 6]), _documents_mask([10])))[:, None]  # two rows, 3 + 1 documents
+    cu = torch.tensor([0, 3, 4, 10, 20], dtype=torch.int32)
+    for window_ in (None, 2):
+        packed_w = packed & _documents_mask([L], window_) if window_ else packed
+        got = flt._mask_structure(packed_w, q, q, {"sliding_window": window_})
+        assert got[0] == window_ and torch.equal(got[1], cu) and got[2] == 10
+    got = flt._mask_structure(_documents_mask([4, 6])[None, None], q, q, {})  # one mask for both rows
+    assert torch.equal(got[1], torch.tensor([0, 4, 10, 14, 20], dtype=torch.int32)) and got[2] == 6
     with torch.inference_mode():
-        assert flt._mask_window(window.expand(2, 1, L, L).clone(), q, q, kw) is None  # no version counter
+        assert flt._mask_structure(window.expand(2, 1, L, L).clone(), q, q, kw) is None  # no version counter
+
+
+PACKED_POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 1], list(range(7)) + list(range(5))])
+
+
+def _packed_run(arch, dtype, monkeypatch, **overrides):
+    """(varlen calls, the fused model and its loss, the stock model's loss, the float64 reference's loss), after
+    backward, for two rows of packed documents (position_ids restarting, no attention mask; no cache, as training)."""
+    import fusedlayers.functional as flf
+
+    calls = []
+    varlen = flf.varlen_attention
+    monkeypatch.setattr(flf, "varlen_attention", lambda *a, **k: (calls.append(k), varlen(*a, **k))[1])
+    model, _ = _tiny(arch, **overrides)
+    model = model.to(dtype)
+    stock, reference = copy.deepcopy(model), _float64_reference(model)
+    flt.apply(model)
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "position_ids": PACKED_POSITIONS, "labels": ids, "use_cache": False}
+    losses = [model(**batch).loss, _reference_loss(stock, batch), _reference_loss(reference, batch)]
+    for loss in losses:
+        loss.backward()
+    return calls, model, stock, reference, losses
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_packed_sequences_run_varlen(arch, counters, monkeypatch):
+    """Padding-free packing: transformers builds a block-diagonal causal mask (with the layer's window: Mistral's
+    every layer, Qwen2's second); ours runs fl.varlen_attention on the flattened rows instead, each layer, and the loss
+    and every gradient match the float64 stock model."""
+    calls, model, _, reference, (loss, _, ref_loss) = _packed_run(arch, torch.float64, monkeypatch)
+    assert len(calls) == model.config.num_hidden_layers and not counters["attention"]
+    windows = {"llama": [(-1, -1)] * 2, "mistral": [(3, 0)] * 2, "qwen2": [(-1, -1), (3, 0)]}[arch]
+    assert [c["window_size"] for c in calls] == windows and all(c["is_causal"] for c in calls)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, _grads(reference)[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@needs_transformers
+def test_packed_gemma2_soft_capped_windows(counters, monkeypatch):
+    """Gemma 2 packed: sliding and full layers, the attention soft-cap (0.01: the tiny model's scores are ~0.01),
+    through fl.varlen_attention; the parity rule against the stock eager model and the float64 one."""
+    calls, model, stock, reference, losses = _packed_run("gemma2", torch.float32, monkeypatch,
+                                                         final_logit_softcapping=None, attn_logit_softcapping=0.01)
+    assert [(c["window_size"], c["softcap"]) for c in calls] == [((3, 0), 0.01), ((-1, -1), 0.01)]
+    assert not counters["attention"] and not flt.fallbacks
+    assert_parity(*(loss.detach() for loss in losses), "loss")
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
 
 
 @needs_transformers

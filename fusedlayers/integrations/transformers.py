@@ -15,8 +15,10 @@ mask at all for an unknown implementation), and selects it with ``model.set_attn
 also sets every sub-model and sub-config). The attention function mirrors transformers' own
 ``sdpa_attention_forward``: (B, H, L, D) inputs, (B, L, H, D) output and no weights; padding / sliding-window
 / packed-sequence masks arrive as the 4-D boolean masks transformers builds for SDPA (float masks work too); a
-sliding-window mask without padding (checked once per mask tensor, not while compiling) becomes the op's
-``window_size``, so the key blocks outside the window are skipped rather than masked;
+mask that is exactly causal within documents and a sliding window, without padding (checked once per mask tensor,
+not while compiling), runs without it: a sliding window as the op's ``window_size``, padding-free packing
+(position_ids that restart) as ``fl.varlen_attention`` over the flattened rows, so the key blocks outside are
+skipped rather than masked;
 no mask means ``is_causal`` (top-left, and only when L > 1, keys cut to L when the cache has more, as SDPA's
 integration does); grouped-query attention reads the shared K/V heads (``enable_gqa``, no copy); dropout in
 training; Gemma 2's attention-logit soft-capping (``softcap``: the scaled score x becomes softcap * tanh(x /
@@ -158,31 +160,49 @@ def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tup
     return None
 
 
-# The last mask checked by _mask_window: a forward's sliding layers all pass the one mask transformers built for them.
+# The last mask _mask_structure read: a forward's layers of one kind all pass the one mask transformers built for them.
 # A hit needs that same tensor (a weak reference: no stale hit once it is freed), unmodified since (its _version).
-_last_window_mask: list = [(None, 0, 0, False)]  # (weakref to the mask, its _version, window, is that window)
+_last_mask: list = [(None, 0, None, None)]  # (weakref to the mask, its _version, (window, batch), structure)
 
 
-def _mask_window(attention_mask, query, key, kwargs) -> int | None:
-    """The layer's ``sliding_window`` w where ``attention_mask`` is exactly causal with a window of w keys (query i
-    keeps keys i - w < j <= i: transformers' sliding-window causal mask without padding), so that the op can skip the
-    key blocks outside the window (``window_size=(w - 1, 0)``, no mask to read); else None. One read of the mask (a GPU
-    sync) per mask tensor: the layers sharing it reuse the answer. Not while compiling (reading values) and not for
-    inference tensors (no version counter to tell a change by): the mask is then passed as is."""
+def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
+    """What a boolean mask from transformers encodes, where the op can run it without reading the mask: each query i
+    of a row keeps exactly the keys max(start of its document, i - w + 1) <= j <= i (causal within documents, w the
+    layer's ``sliding_window`` or unbounded; no padding). Documents are what padding-free packing (position_ids that
+    restart) gives; one per row is plain causal attention. Returns None (the mask is used as is), or (w or None,
+    cu_seqlens, max_seqlen) over the batch's rows flattened, with cu_seqlens None where every row is one document.
+    One read of the mask (GPU syncs) per mask tensor: the layers sharing it reuse the answer. Not while compiling
+    (reading values) and not for inference tensors (no version counter to tell a change by)."""
     w = kwargs.get("sliding_window")
-    L = query.shape[2]
-    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool or type(w) is not int
-            or not 0 < w < L or key.shape[2] != L or tuple(attention_mask.shape[-2:]) != (L, L)
-            or torch.compiler.is_compiling() or attention_mask.is_inference()):
+    w = w if type(w) is int and 1 < w < query.shape[2] else None  # a window >= L: plain causal
+    B, L = query.shape[0], query.shape[2]
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+            or attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (L, L)
+            or key.shape[2] != L or torch.compiler.is_compiling() or attention_mask.is_inference()):
         return None
-    ref, version, window, is_window = _last_window_mask[0]
-    if ref is not None and ref() is attention_mask and version == attention_mask._version and window == w:
-        return w if is_window else None
-    i = torch.arange(L, device=attention_mask.device)
-    pattern = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
-    is_window = torch.equal(attention_mask, pattern.expand(attention_mask.shape))
-    _last_window_mask[0] = (weakref.ref(attention_mask), attention_mask._version, w, is_window)
-    return w if is_window else None
+    ref, version, key_, structure = _last_mask[0]
+    if ref is not None and ref() is attention_mask and version == attention_mask._version and key_ == (w, B):
+        return structure
+    structure = _read_mask_structure(attention_mask, w, B)
+    _last_mask[0] = (weakref.ref(attention_mask), attention_mask._version, (w, B), structure)
+    return structure
+
+
+def _read_mask_structure(mask: torch.Tensor, w: int | None, B: int) -> tuple | None:
+    L = mask.shape[-1]
+    i = torch.arange(L, device=mask.device)
+    first = mask[:, 0].to(torch.uint8).argmax(-1)  # each row's first kept key (0 for a row with none: caught below)
+    starts = first == i  # a document's first token keeps only itself first (w > 1)
+    doc_start = torch.cummax(torch.where(starts, i, 0), dim=-1).values
+    lo = doc_start if w is None else torch.maximum(doc_start, i - w + 1)
+    expected = (i >= lo[..., None]) & (i <= i[:, None])  # (rows, L, L): key j >= lo[i] and j <= i
+    if not torch.equal(mask, expected[:, None].expand(mask.shape)):
+        return None
+    starts = starts.expand(B, L)
+    if bool(starts.sum(-1).eq(1).all()):  # one document a row (its start is key 0)
+        return w, None, None
+    flat = torch.cat((starts.reshape(-1).nonzero().flatten(), torch.tensor([B * L], device=mask.device)))
+    return w, flat.to(torch.int32), int((flat[1:] - flat[:-1]).max())
 
 
 def _eager_attention_function(module: nn.Module):
@@ -235,8 +255,18 @@ def attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **call_kwargs)
 
     q_len = query.shape[2]
-    window = _mask_window(attention_mask, query, key, kwargs)
-    if window is not None:  # a causal sliding window without padding: the window, not its mask
+    softcap = float(kwargs.get("softcap") or 0.0)
+    window_size = (-1, -1)
+    structure = _mask_structure(attention_mask, query, key, kwargs)
+    if structure is not None:  # causal within documents (and a window) without padding: no mask to read
+        window, cu_seqlens, max_seqlen = structure
+        window_size = (window - 1, 0) if window is not None else (-1, -1)
+        if cu_seqlens is not None:  # several documents a row (padding-free packing): the rows flattened, varlen
+            B, H, L, _ = query.shape
+            flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], t.shape[3]) for t in (query, key, value)]
+            out = _fl.varlen_attention(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
+                                       scale=scaling, is_causal=True, window_size=window_size, softcap=softcap)
+            return out.view(B, L, H, -1), None
         attention_mask, is_causal = None, True
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
@@ -244,8 +274,7 @@ def attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = _fl.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1], softcap=float(kwargs.get("softcap") or 0.0),
-        window_size=(window - 1, 0) if window is not None else (-1, -1),
+        enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, window_size=window_size,
     )
     return out.transpose(1, 2).contiguous(), None
 
