@@ -263,7 +263,7 @@ def _documents_mask(lengths, w=None):
 
 
 @needs_transformers
-def test_mask_structure_is_read_once_per_mask_and_never_stale():
+def test_mask_structure_is_read_once_per_mask_and_never_stale(monkeypatch):
     """_mask_structure: documents (cu_seqlens over the flattened rows) and the sliding window of an exact causal
     documents-and-window mask (any batch and head broadcast), None for any other mask; the answer is reused for the
     same unmodified tensor only (an in-place change, or a new tensor at the same address, is read again)."""
@@ -297,6 +297,15 @@ def test_mask_structure_is_read_once_per_mask_and_never_stale():
     assert torch.equal(got[1], torch.tensor([0, 4, 10, 14, 20], dtype=torch.int32)) and got[2] == 6
     with torch.inference_mode():
         assert flt._mask_structure(window.expand(2, 1, L, L).clone(), q, q, kw) is None  # no version counter
+    # two masks alternating (Gemma 2's sliding and full layers): each is read once
+    reads = []
+    read = flt._read_mask_structure
+    monkeypatch.setattr(flt, "_read_mask_structure", lambda *a: (reads.append(1), read(*a))[1])
+    sliding, full = window.expand(2, 1, L, L).clone(), _documents_mask([L]).expand(2, 1, L, L).clone()
+    for _ in range(3):
+        assert flt._mask_structure(sliding, q, q, kw) == (w, None, None)
+        assert flt._mask_structure(full, q, q, {}) == (None, None, None)
+    assert len(reads) == 2
 
 
 PACKED_POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 1], list(range(7)) + list(range(5))])

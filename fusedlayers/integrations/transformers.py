@@ -160,9 +160,11 @@ def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tup
     return None
 
 
-# The last mask _mask_structure read: a forward's layers of one kind all pass the one mask transformers built for them.
-# A hit needs that same tensor (a weak reference: no stale hit once it is freed), unmodified since (its _version).
-_last_mask: list = [(None, 0, None, None)]  # (weakref to the mask, its _version, (window, batch), structure)
+# The masks _mask_structure read last: a forward's layers of one kind all pass the one mask transformers built for them
+# (two kinds alternate in Gemma 2's layers: full and sliding). A hit needs that same tensor (a weak reference: no stale
+# hit once it is freed), unmodified since (its _version), with the same window and batch.
+_recent_masks: list = [[]]  # [[(weakref to the mask, its _version, (window, batch), structure), ...]], newest first
+RECENT_MASKS = 4
 
 
 def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
@@ -180,11 +182,13 @@ def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
             or attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (L, L)
             or key.shape[2] != L or torch.compiler.is_compiling() or attention_mask.is_inference()):
         return None
-    ref, version, key_, structure = _last_mask[0]
-    if ref is not None and ref() is attention_mask and version == attention_mask._version and key_ == (w, B):
-        return structure
+    recent = _recent_masks[0]
+    for ref, version, key_, structure in recent:
+        if ref() is attention_mask and version == attention_mask._version and key_ == (w, B):
+            return structure
     structure = _read_mask_structure(attention_mask, w, B)
-    _last_mask[0] = (weakref.ref(attention_mask), attention_mask._version, (w, B), structure)
+    entry = (weakref.ref(attention_mask), attention_mask._version, (w, B), structure)
+    _recent_masks[0] = [entry, *recent[:RECENT_MASKS - 1]]  # swapped whole: threads never see half of it
     return structure
 
 
