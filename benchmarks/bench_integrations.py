@@ -11,10 +11,13 @@
    ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours), with
    two stand-ins that let Thunder 0.2.6 trace transformers 5 (see ``_let_thunder_trace_transformers``), and our GPT
    (gpt-small) the same way; ``--only thunder``: our GPT alone. ``--window W``: Mistral's architecture instead (the
-   same sizes, a sliding window of W tokens: stock SDPA reads transformers' window mask, ours runs the window).
+   same sizes, a sliding window of W tokens: stock SDPA reads transformers' window mask, ours runs the window);
+   ``--packed``: documents packed into each row without padding (position_ids restarting: stock SDPA reads the block
+   mask transformers builds, ours runs ``fl.varlen_attention``).
 
     python benchmarks/bench_integrations.py [--out benchmarks/results/h100-integrations.md] [--only sdpa|hf]
                                             [--thunder] [--only thunder] [--window 1024 --seq 8192 --batch 1]
+                                            [--packed]
 """
 
 from __future__ import annotations
@@ -95,24 +98,39 @@ def llama(vocab: int, layers: int, window: int | None = None, seq: int = 8192):
     return model_cls(config).to("cuda", DTYPE)
 
 
-def train_step(model, ids):
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # a training step keeps no KV cache
+def train_step(model, ids, position_ids=None):
+    # a training step keeps no KV cache; position_ids restarting at each document: padding-free packing
+    loss = model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return loss
 
 
-def measure_step(model, ids) -> tuple[float, float, float]:
+def measure_step(model, ids, position_ids=None) -> tuple[float, float, float]:
     """(ms per step, peak GB beyond the weights, loss)."""
-    loss = train_step(model, ids).item()
+    loss = train_step(model, ids, position_ids).item()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    train_step(model, ids)
+    train_step(model, ids, position_ids)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 1e9
-    ms = do_bench(lambda: train_step(model, ids), warmup=3, rep=30, return_mode="median")
+    ms = do_bench(lambda: train_step(model, ids, position_ids), warmup=3, rep=30, return_mode="median")
     return ms, peak, loss
+
+
+def packed_positions(batch: int, seq: int) -> torch.Tensor:
+    """position_ids of documents of 64 to seq / 2 tokens (log-uniform, seed 0) packed into each row, restarting at
+    each document (as transformers' DataCollatorWithFlattening makes them)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        pos = []
+        while len(pos) < seq:
+            n = int(torch.exp(torch.empty(()).uniform_(4.16, float(torch.log(torch.tensor(seq / 2))), generator=g)))
+            pos += range(min(n, seq - len(pos)))
+        rows.append(pos)
+    return torch.tensor(rows, device="cuda")
 
 
 def _let_thunder_trace_transformers() -> None:
@@ -151,13 +169,14 @@ def _thunder_jit(model, with_ours: bool):
     return thunder.jit(model, executors=executors)
 
 
-def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None = None):
+def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None = None, packed: bool = False):
     from fusedlayers.integrations import transformers as flt
 
     vocab = 128256
     stock = llama(vocab, layers, window, seq)
     n_params = sum(p.numel() for p in stock.parameters()) / 1e9
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    positions = packed_positions(batch, seq) if packed else None
     variants = {  # name -> a function of a copy of the stock model
         "fl apply (attention + linear CE)": lambda m: flt.apply(m, norm=False, mlp=False, rotary=False),
         "fl apply (all: + RMSNorm, SwiGLU, rotary)": flt.apply,
@@ -165,11 +184,11 @@ def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None
     if thunder:
         variants["thunder.jit (default executors)"] = lambda m: _thunder_jit(m, False)
         variants["thunder.jit + fl_executor"] = lambda m: _thunder_jit(m, True)
-    results = {"stock (sdpa, HF loss)": measure_step(stock, ids)}
+    results = {"stock (sdpa, HF loss)": measure_step(stock, ids, positions)}
     for name, make in variants.items():
         torch.cuda.empty_cache()
         try:
-            results[name] = measure_step(make(copy.deepcopy(stock)), ids)
+            results[name] = measure_step(make(copy.deepcopy(stock)), ids, positions)
         except Exception as e:  # one failing variant must not lose the others' numbers
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
             results[name] = None
@@ -181,6 +200,8 @@ def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None
     head = ("| model | tokens/s | ms/step | peak GB (beyond weights) | speed vs stock | memory vs stock | loss |\n"
             "| --- | --- | --- | --- | --- | --- | --- |")
     arch = f"MistralForCausalLM, sliding window {window}" if window else "LlamaForCausalLM"
+    if packed:
+        arch += ", documents of 64 to seq / 2 tokens packed without padding (position_ids)"
     title = (f"## Hugging Face {arch} ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
              f"4 KV heads, vocabulary {vocab}), bf16, batch {batch} x {seq}, forward + backward with labels")
     return title + "\n\n" + head + "\n" + "\n".join(rows)
@@ -233,6 +254,8 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--window", type=int, default=None, help="hf: Mistral's architecture with this sliding window "
                         "(e.g. --window 1024 --seq 8192 --batch 1)")
+    parser.add_argument("--packed", action="store_true", help="hf: documents packed into each row without padding "
+                        "(position_ids restarting: stock SDPA reads the block mask, ours runs varlen)")
     parser.add_argument("--thunder", action="store_true", help="also the model under thunder.jit, with and without "
                         "our executor (needs lightning-thunder)")
     args = parser.parse_args()
@@ -242,7 +265,7 @@ def main():
     if args.only in (None, "sdpa"):
         sections.append(sdpa_rows())
     if args.only in (None, "hf"):
-        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder, args.window))
+        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder, args.window, args.packed))
     if args.only == "thunder" or (args.only is None and args.thunder):
         sections.append(thunder_rows(8, 1024))
     report("\n\n".join(sections) + "\n", args.out)
