@@ -297,6 +297,12 @@ def test_mask_structure_is_read_once_per_mask_and_never_stale(monkeypatch):
     assert torch.equal(got[1], torch.tensor([0, 4, 10, 14, 20], dtype=torch.int32)) and got[2] == 6
     with torch.inference_mode():
         assert flt._mask_structure(window.expand(2, 1, L, L).clone(), q, q, kw) is None  # no version counter
+    monkeypatch.setattr(flt, "MASK_BLOCK_ELEMENTS", 3 * 2 * L)  # read in blocks of 3 query rows: the same answers
+    assert flt._mask_structure(packed.clone(), q, q, {})[2] == 10
+    assert flt._mask_structure(window.expand(2, 1, L, L).clone(), q, q, kw) == (w, None, None)
+    bad = window.expand(2, 1, L, L).clone()
+    bad[0, 0, L - 1, L - 2] = False  # in the last block only
+    assert flt._mask_structure(bad, q, q, kw) is None
     # two masks alternating (Gemma 2's sliding and full layers): each is read once
     reads = []
     read = flt._read_mask_structure

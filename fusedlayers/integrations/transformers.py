@@ -165,6 +165,7 @@ def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tup
 # hit once it is freed), unmodified since (its _version), with the same window and batch.
 _recent_masks: list = [[]]  # [[(weakref to the mask, its _version, (window, batch), structure), ...]], newest first
 RECENT_MASKS = 4
+MASK_BLOCK_ELEMENTS = 2**26  # about how many mask elements _read_mask_structure compares at a time
 
 
 def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
@@ -193,15 +194,22 @@ def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
 
 
 def _read_mask_structure(mask: torch.Tensor, w: int | None, B: int) -> tuple | None:
-    L = mask.shape[-1]
+    """_mask_structure's reading, in blocks of query rows (its temporaries stay near MASK_BLOCK_ELEMENTS elements,
+    not a few times the mask's)."""
+    rows, heads, L = mask.shape[0], mask.shape[1], mask.shape[-1]
     i = torch.arange(L, device=mask.device)
-    first = mask[:, 0].to(torch.uint8).argmax(-1)  # each row's first kept key (0 for a row with none: caught below)
+    step = max(1, MASK_BLOCK_ELEMENTS // (rows * heads * L))
+    # each query's first kept key (0 for a query with none: caught below)
+    first = torch.cat([mask[:, 0, q0:q0 + step].to(torch.uint8).argmax(-1) for q0 in range(0, L, step)], dim=-1)
     starts = first == i  # a document's first token keeps only itself first (w > 1)
     doc_start = torch.cummax(torch.where(starts, i, 0), dim=-1).values
     lo = doc_start if w is None else torch.maximum(doc_start, i - w + 1)
-    expected = (i >= lo[..., None]) & (i <= i[:, None])  # (rows, L, L): key j >= lo[i] and j <= i
-    if not torch.equal(mask, expected[:, None].expand(mask.shape)):
-        return None
+    for q0 in range(0, L, step):  # query i keeps exactly the keys lo[i] <= j <= i
+        q = i[q0:q0 + step]
+        expected = (i >= lo[:, q0:q0 + step, None]) & (i <= q[:, None])
+        block = mask[:, :, q0:q0 + step]
+        if not torch.equal(block, expected[:, None].expand(block.shape)):
+            return None
     starts = starts.expand(B, L)
     if bool(starts.sum(-1).eq(1).all()):  # one document a row (its start is key 0)
         return w, None, None
