@@ -63,8 +63,8 @@ enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the T
 # causal needs BLOCK_M to be a multiple of BLOCK_N (the diagonal block).
 _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2),
             (256, False): (64, 32, 2), (256, True): (64, 32, 2)}
-# Head dims the forwards and the backward's passes take (D256's backward: the Triton kernels).
-FORWARD_HEAD_DIMS = (64, 128, 256)
+# Head dims the forwards take (those configured above) and the backward's passes (D256's backward: the Triton kernels).
+FORWARD_HEAD_DIMS = tuple(sorted({d for d, _ in _CONFIGS}))
 BACKWARD_HEAD_DIMS = (64, 128)
 
 
