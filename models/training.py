@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,11 @@ def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
         check_checkpoint_is_safe(ckpt_path)  # refused before training starts, naming what it holds
     on_exc = next((c for c in callbacks if isinstance(c, InterruptCheckpoint)), None)
     try:
-        with _stop_on_ctrl_c(trainer) as ctrl_c:
+        with _stop_on_ctrl_c(trainer) as ctrl_c, warnings.catch_warnings():
+            # A run that stops before its first validation (max_steps or max_time inside the first epoch) has
+            # ModelCheckpoint warn that val/loss is missing: the final validation and last.ckpt come below. (A monitor
+            # missing after a validation ran still raises, in Lightning.)
+            warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/loss'\)` could not find")
             # torch.load(weights_only=True): tensors and plain values only (see models.lit)
             trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, **weights_only_kwargs(trainer.fit))
         # any rank's Ctrl-C stopped every rank after the step it was in (Lightning syncs should_stop); all ranks save

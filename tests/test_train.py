@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -211,6 +212,16 @@ def test_run_ending_between_validations_saves_and_validates_the_final_state(tmp_
     assert state["optimizer_states"][0]["state"] and state["lr_schedulers"][0]["last_epoch"] == 4
     r = train(make_cfg(tmp_path / "b", cache_dir, "trainer.max_steps=6", f"ckpt_path={last}"))
     assert r["steps"] == 6 and [step for step, _ in r["val_history"]] == [3, 4, 6]
+
+
+def test_run_ending_before_its_first_validation_is_quiet_and_validated(tmp_path, cache_dir) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = train(make_cfg(tmp_path, cache_dir, "trainer.max_steps=2"))  # an epoch is 3 batches: no validation ran
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "could not find the monitored key" in m], messages
+    assert [step for step, _ in s["val_history"]] == [2]
+    assert _ckpt_state(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
 
 
 _UNPICKLED: list = []
