@@ -17,8 +17,8 @@ in fp32 by ordered TMA reductions, five products a tile instead of seven, was de
 inline, with a writer partition or pipelined: h100-attention-experiments.md, sessions 8, 10 and 11.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
-h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.46x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 2048, H100, session 14): forward 1.00-1.12x, forward+backward 0.89-1.00x.
+h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+backward 1.00-1.54x. Against cuDNN
+(D 64/128, L >= 2048, H100, session 17): forward 1.00-1.16x (two rows at 0.997x), forward+backward 0.91-1.03x.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv; the forward also 256, whose backward is the Triton kernels'),
 no attn_mask or dropout, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim
