@@ -234,7 +234,10 @@ def _bad(**over):
         (_bad(cos=torch.randn(3, 5, 8), sin=torch.randn(3, 5, 8)), ValueError, "cos/sin must have shape"),
         (_bad(cos=torch.randn(5, 4), sin=torch.randn(5, 4)), ValueError, "cos/sin must have shape"),
         (_bad(cos=torch.randn(2, 5, 8, requires_grad=True)), ValueError, "require grad"),
+        (_bad(cos=torch.randn(1, 2, 5, 8), sin=torch.randn(1, 2, 5, 8)), ValueError, "cos/sin must have shape"),
+        (_bad(cos=torch.randn(8), sin=torch.randn(8)), ValueError, "cos/sin must have shape"),
         (_bad(k=torch.randn(2, 2, 5, 8, device="meta")), ValueError, "k is on"),
+        (_bad(sin=torch.randn(2, 5, 8, device="meta")), ValueError, "sin is on"),
         (_bad(sin="sin"), TypeError, "sin"),
     ],
 )

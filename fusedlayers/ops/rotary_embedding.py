@@ -25,10 +25,11 @@ except ImportError:  # no Triton (macOS, Windows): the reference runs everywhere
     kernels = None
 
 
-def _run_kernel(*tensors: Tensor) -> bool:
-    """Triton (fp32 math) for fp16/bf16/fp32 on the triton backend; fp64 and empty tensors run the reference."""
-    return (all(t.numel() > 0 for t in tensors) and all(t.dtype != torch.float64 for t in tensors)
-            and use_triton(tensors[0]))
+def _run_kernel(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Triton (fp32 math) for fp16/bf16/fp32 on the triton backend; fp64 and empty tensors run the reference. (No
+    generators: this runs on every call, forward and backward, and short-sequence calls are bound by the host.)"""
+    return (q.numel() > 0 and k.numel() > 0 and cos.numel() > 0 and sin.numel() > 0
+            and torch.float64 not in (q.dtype, k.dtype, cos.dtype, sin.dtype) and use_triton(q))
 
 
 def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype, backward: bool) -> Tensor:
