@@ -1004,8 +1004,8 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
     get no gradient: a ValueError if they require one (detach them, or use transformers' function)."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         v.check_float_tensor(name, t)
-    # each shape read once: this function's checks were a third of the host time of a call (and at short sequences
-    # the call's host time is the op's time)
+    # each shape read once (every .shape is a call into torch): these checks run on every call, and at short
+    # sequences a call's host time is the op's time
     q_shape, k_shape, cos_shape = q.shape, k.shape, cos.shape
     if len(q_shape) != 4 or len(k_shape) != 4:
         raise ValueError(f"q and k must be 4-D (batch, heads, seq_len, head_dim), got q of shape {tuple(q_shape)} "
