@@ -33,6 +33,29 @@ from models.lit import GPTLitModule, UnsafeCheckpointError, _refusal, check_chec
 log = logging.getLogger("train")
 
 
+def _lightning_console_once() -> None:
+    """In a Hydra job, Lightning's log lines go through the root logger's handlers only: Hydra's console (once) and
+    the run's log file. ``import lightning`` gives the "lightning" logger a console handler of its own while its
+    records still reach the root logger, so every line was printed twice. Its advert for a cloud logger, printed by
+    every ``Trainer``, is dropped, and so is a deprecation warning that Lightning's own code triggers on torch >= 2.10
+    (nothing a user of this script can act on)."""
+    if not HydraConfig.initialized():  # a test or a notebook: Lightning's own handler is the console
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _no_cloud_tip not in rank_zero.filters:
+        rank_zero.addFilter(_no_cloud_tip)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def _no_cloud_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
 def validate_choices(cfg: DictConfig) -> None:
     """Fail at startup, with the valid names, on an unknown layer choice (an HF model: also on invalid sizes)."""
     if "arch" in cfg.model:  # a Hugging Face model (models/hf.py): its own choices
@@ -138,6 +161,7 @@ def _stop_on_ctrl_c(trainer: L.Trainer):
 def _train(cfg: DictConfig, summary: dict, t0: float) -> None:
     out = Path(cfg.paths.output_dir)
     validate_choices(cfg)
+    _lightning_console_once()
     if cfg.get("matmul_precision"):
         torch.set_float32_matmul_precision(cfg.matmul_precision)
     if cfg.get("num_threads"):

@@ -469,6 +469,23 @@ def test_optuna_sweeper(tmp_path, cache_dir) -> None:
         assert len(list(csv.DictReader(f))) == 2
 
 
+def test_command_line_run_prints_each_lightning_line_once(tmp_path, cache_dir) -> None:
+    """`import lightning` gives Lightning's loggers a console handler of their own beside Hydra's: every Lightning
+    line came out twice. Now once on the console and once in the run's log file, without Lightning's cloud-logger
+    advert or the deprecation warning its own code triggers on this torch."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *FAST, "trainer.max_steps=2", f"paths.cache_dir={cache_dir}",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=_subprocess_env(cache_dir), capture_output=True, text=True, timeout=300,
+    )
+    console = res.stdout + res.stderr
+    assert res.returncode == 0, console[-3000:]
+    assert console.count("GPU available:") == 1, console[-3000:]
+    assert "Tip:" not in console and "LeafSpec" not in console, console[-3000:]
+    assert "GPU available:" in (run_dir / "train.log").read_text()
+
+
 def test_bad_config_values_fail_with_valid_names(tmp_path, cache_dir) -> None:
     for key in ("attention", "loss", "checkpoint"):
         valid = ", ".join(REGISTRIES[key].names())
