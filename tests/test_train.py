@@ -486,6 +486,25 @@ def test_command_line_run_prints_each_lightning_line_once(tmp_path, cache_dir) -
     assert "GPU available:" in (run_dir / "train.log").read_text()
 
 
+def test_sample_script_generates_from_a_checkpoint(tmp_path, cache_dir, capsys) -> None:
+    import sample
+
+    s = train(make_cfg(tmp_path, cache_dir, "trainer.max_steps=3"))
+    args = [f"ckpt_path={s['checkpoint']}", "prompt=In the", "tokens=12", "num_samples=2", "seed=5"]
+    sample.main(args)
+    printed = [part.split("\n", 1)[1].rstrip("\n") for part in capsys.readouterr().out.split("--- sample ")[1:]]
+    assert len(printed) == 2
+    assert all(t.startswith("In the") and len(t) == len("In the") + 12 for t in printed), printed  # char tokens
+    assert sample.sample(sample.parse(args)) == printed  # seeded: the same texts again
+    assert printed[0] != printed[1]  # sample i draws with seed + i
+    with pytest.raises(SystemExit, match="ckpt_path= is required"):
+        sample.parse([])
+    with pytest.raises(SystemExit, match="unknown option"):
+        sample.parse([f"ckpt_path={s['checkpoint']}", "temprature=0.5"])
+    with pytest.raises(SystemExit, match="no such file"):
+        sample.parse([f"ckpt_path={tmp_path}/missing.ckpt"])
+
+
 def test_bad_config_values_fail_with_valid_names(tmp_path, cache_dir) -> None:
     for key in ("attention", "loss", "checkpoint"):
         valid = ", ".join(REGISTRIES[key].names())
