@@ -318,5 +318,5 @@ def print_summary(s: dict) -> None:
     if s.get("sample"):
         lines += ["sample:", "-" * 60, s["sample"], "-" * 60]
         if s.get("checkpoint"):
-            lines.append(f"more samples     : python sample.py ckpt_path={s['checkpoint']} prompt=... num_samples=3")
+            lines.append(f"more samples     : python -m models.sample ckpt_path={s['checkpoint']} num_samples=3")
     print("\n".join(lines), flush=True)

@@ -487,7 +487,7 @@ def test_command_line_run_prints_each_lightning_line_once(tmp_path, cache_dir) -
 
 
 def test_sample_script_generates_from_a_checkpoint(tmp_path, cache_dir, capsys) -> None:
-    import sample
+    from models import sample
 
     s = train(make_cfg(tmp_path, cache_dir, "trainer.max_steps=3"))
     args = [f"ckpt_path={s['checkpoint']}", "prompt=In the", "tokens=12", "num_samples=2", "seed=5"]

@@ -1,7 +1,7 @@
 """Generate text from a checkpoint that train.py wrote (loaded weights-only, as resuming does).
 
-    python sample.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
-    python sample.py ckpt_path=... prompt="In the beginning" tokens=500 temperature=0.9 top_k=40 num_samples=3
+    python -m models.sample ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
+    python -m models.sample ckpt_path=... prompt="In the beginning" tokens=500 temperature=0.9 top_k=40 num_samples=3
 
 Options, key=value as for train.py: ``prompt``, ``tokens``, ``temperature``, ``top_k``, ``seed`` (each defaults to the
 run's own ``sample`` settings), ``num_samples`` (1; sample i uses seed + i) and ``device`` (``auto``: the GPU if
@@ -14,16 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: sleeping OpenMP threads on a busy small CPU
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import OmegaConf
 
 OPTIONS = dict(ckpt_path=None, prompt=None, tokens=None, temperature=None, top_k=None, seed=None, num_samples=1,
                device="auto")
-USAGE = "usage: python sample.py ckpt_path=PATH [" + "] [".join(f"{k}=..." for k in list(OPTIONS)[1:]) + "]"
+USAGE = "usage: python -m models.sample ckpt_path=PATH [" + "] [".join(f"{k}=..." for k in list(OPTIONS)[1:]) + "]"
 
 
 def parse(argv: list[str]) -> dict:
@@ -43,6 +38,7 @@ def parse(argv: list[str]) -> dict:
 
 def sample(options: dict) -> list[str]:
     """``num_samples`` texts generated from the checkpoint with the given options."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: sleeping OpenMP threads on a busy small CPU
     import torch
 
     from models.lit import GPTLitModule
