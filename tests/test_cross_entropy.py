@@ -419,34 +419,6 @@ def test_triton_backward_in_place_and_reduce_kernels():
     assert denom.item() == 0
 
 
-@pytest.mark.parametrize("n_classes", [300, 2 * kernels.LONG_ROW + 17])
-def test_triton_forward_backward_kernel_equals_the_two_kernels(n_classes):
-    """linear_cross_entropy's one kernel (the forward, then the gradient written over its input by a second sweep
-    that runs last block first) writes exactly what the forward kernel and then the in-place backward kernel write:
-    loss, logsumexp, aux, the gradient and the target's; with rows of several column blocks too."""
-    x = torch.randn(6, n_classes) * 3
-    x[2, -1] = 40.0  # the row's max in its last block
-    t = _targets(6, n_classes)
-    t[1] = n_classes - 1
-    q = _probabilities((6, n_classes))
-    for target, w in ((t, None), (t, _class_weights(n_classes)), (q, None), (q, _class_weights(n_classes))):
-        soft = target.is_floating_point()
-        for smoothing, z in ((0.0, 0.0), (0.2, 1e-2)):
-            loss, lse, aux = kernels.cross_entropy_forward(x, target, -100, smoothing, z, weight=w)
-            for g in (torch.tensor(0.25), torch.rand(6) + 0.5):
-                two, gt_two = x.clone(), torch.empty_like(q) if soft else None
-                kernels.cross_entropy_backward(g, two, target, lse, -100, smoothing, z, out=two, weight=w, aux=aux,
-                                               grad_target=gt_two)
-                one, gt_one = x.clone(), torch.empty_like(q) if soft else None
-                loss_one, lse_one = torch.full_like(loss, float("nan")), torch.full_like(lse, float("nan"))
-                aux_one = torch.full_like(aux, float("nan")) if aux is not None else None
-                kernels.cross_entropy_forward_backward(one, target, -100, smoothing, z, g, loss_one, lse_one,
-                                                       weight=w, aux=aux_one, grad_target=gt_one)
-                assert torch.equal(loss_one, loss) and torch.equal(lse_one, lse) and torch.equal(one, two)
-                assert aux is None or torch.equal(aux_one, aux)
-                assert not soft or torch.equal(gt_one, gt_two)
-
-
 # ----------------------------------------------------------------------------- autograd machinery
 
 

@@ -55,7 +55,7 @@ LONG_ROW = 4096
 # (BLOCK_N, num_warps) candidates for long rows, forward and backward.
 LONG_ROW_CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)]
 # Untuned (BLOCK_N, num_warps) for long rows, by kernel: the autotuner's picks on an H200 for 32K-128K rows.
-DEFAULT_LONG_ROW = {"fwd": (8192, 8), "bwd": (16384, 32), "fwd_bwd": (32768, 32)}
+DEFAULT_LONG_ROW = {"fwd": (8192, 8), "bwd": (16384, 32)}
 FLAGS = ("HAS_SMOOTHING", "HAS_Z", "HAS_WEIGHT", "SOFT", "TARGET_GRAD")
 
 
@@ -173,22 +173,22 @@ def _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, active, n_cols, stride_xr, stri
 
 
 @triton.jit
-def _forward_rows(
-    x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, rows, n_rows, n_cols, stride_xr, stride_xc, stride_tr, stride_tc,
-    stride_lse, ignore_index, smoothing, z_loss, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _ce_fwd_kernel(
+    x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_tr, stride_tc,
+    stride_lse, ignore_index, smoothing, z_loss, cols_key, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """The forward of a block of rows: writes loss, L (hi, lo) and aux; returns (hi, lo, aux) as the backward reads
-    them (aux: S for probabilities, k with weights and smoothing, else unused)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)
     in_rows = rows < n_rows
     if SOFT:
-        hi, lo, loss, aux = _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, in_rows, n_cols, stride_xr, stride_xc,
-                                            stride_tr, stride_tc, smoothing, HAS_SMOOTHING, HAS_WEIGHT, BLOCK_M,
-                                            BLOCK_N)
+        hi, lo, loss, sum_q = _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, in_rows, n_cols, stride_xr, stride_xc,
+                                              stride_tr, stride_tc, smoothing, HAS_SMOOTHING, HAS_WEIGHT, BLOCK_M,
+                                              BLOCK_N)
         if HAS_Z:
             loss += z_loss * (hi + lo) * (hi + lo)
-        tl.store(aux_ptr + rows64, aux, mask=in_rows)
+        tl.store(aux_ptr + rows64, sum_q, mask=in_rows)
     else:
         t, valid, in_range = _targets(t_ptr, rows, n_rows, n_cols, stride_tr, ignore_index)
         hi, lo, smooth, sum_w = _row_stats(x_ptr, w_ptr, rows64, valid, n_cols, stride_xr, stride_xc,
@@ -202,11 +202,9 @@ def _forward_rows(
             loss = (1.0 - smoothing) * w_t * ((hi - x_t) + lo)
         else:
             loss = (1.0 - smoothing) * ((hi - x_t) + lo)
-        aux = w_t
         if HAS_SMOOTHING:
             loss += smoothing / n_cols * smooth
             if HAS_WEIGHT:  # the backward's coefficient of p: (1 - e) w_t + (e / C) W
-                aux = tl.where(valid, (1.0 - smoothing) * w_t + smoothing / n_cols * sum_w, 0.0)
                 tl.store(aux_ptr + rows64, (1.0 - smoothing) * w_t + smoothing / n_cols * sum_w, mask=in_rows)
         if HAS_Z:
             loss += z_loss * w_t * (hi + lo) * (hi + lo)
@@ -215,32 +213,36 @@ def _forward_rows(
     tl.store(loss_ptr + rows64, loss, mask=in_rows)
     tl.store(lse_ptr + rows64, hi, mask=in_rows)
     tl.store(lse_ptr + stride_lse + rows64, lo, mask=in_rows)
-    return hi, lo, aux
 
 
 @triton.jit
-def _backward_rows(
-    x_ptr, t_ptr, w_ptr, dx_ptr, dt_ptr, rows, g, hi, lo, aux, n_rows, n_cols, stride_xr, stride_xc, stride_tr,
-    stride_tc, stride_dr, stride_dtr, ignore_index, smoothing, z_loss, HAS_SMOOTHING: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr,
+def _ce_bwd_kernel(
+    x_ptr, t_ptr, w_ptr, lse_ptr, aux_ptr, g_ptr, denom_ptr, dx_ptr, dt_ptr, n_rows, n_cols, stride_xr, stride_xc,
+    stride_tr, stride_tc, stride_g, stride_dr, stride_dtr, stride_lse, ignore_index, smoothing, z_loss, cols_key,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dx = g_r * dloss_r/dx (and dq = g_r * dloss_r/dq for TARGET_GRAD) of a block of rows, from their L (hi, lo)
-    and aux; REVERSE sweeps the columns last block first (right after a forward sweep: those are the ones still
-    in L2)."""
+    """dx = g_r * dloss_r/dx (and dq = g_r * dloss_r/dq for TARGET_GRAD), g_r = g[r * stride_g] (stride 0: one
+    factor for all rows), / denominator if MEAN."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)
     in_rows = rows < n_rows
+    g = tl.load(g_ptr + rows64 * stride_g, mask=in_rows, other=0.0).to(tl.float32)
+    if MEAN:
+        g = g / tl.load(denom_ptr).to(tl.float32)
     x_base = x_ptr + rows64[:, None] * stride_xr
     dx_base = dx_ptr + rows64[:, None] * stride_dr
-    n_blocks = tl.cdiv(n_cols, BLOCK_N)
     if SOFT:
+        hi = tl.load(lse_ptr + rows64, mask=in_rows, other=0.0)
+        lo = tl.load(lse_ptr + stride_lse + rows64, mask=in_rows, other=0.0)
+        sum_q = tl.load(aux_ptr + rows64, mask=in_rows, other=0.0)
         if HAS_Z:
-            a = g * (aux + 2.0 * z_loss * (hi + lo))
+            a = g * (sum_q + 2.0 * z_loss * (hi + lo))
         else:
-            a = g * aux
+            a = g * sum_q
         t_base = t_ptr + rows64[:, None] * stride_tr
-        for i in range(0, n_blocks):
-            cols = ((n_blocks - 1 - i) if REVERSE else i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols < n_cols
             mask = in_rows[:, None] & in_cols[None, :]
             x = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
@@ -260,10 +262,15 @@ def _backward_rows(
                          mask=mask)
     else:
         t, valid, in_range = _targets(t_ptr, rows, n_rows, n_cols, stride_tr, ignore_index)
+        hi = tl.load(lse_ptr + rows64, mask=valid, other=0.0)
+        lo = tl.load(lse_ptr + stride_lse + rows64, mask=valid, other=0.0)
         g = tl.where(in_range, g, float("nan"))
         w_t = _class_weight(w_ptr, t, valid, in_range, HAS_WEIGHT)
         if HAS_WEIGHT:
-            coef = aux if HAS_SMOOTHING else w_t
+            if HAS_SMOOTHING:
+                coef = tl.load(aux_ptr + rows64, mask=valid, other=0.0)
+            else:
+                coef = w_t
             c_target = g * (1.0 - smoothing) * w_t
         else:
             coef = 1.0
@@ -273,8 +280,8 @@ def _backward_rows(
         else:
             a = g * coef
         c_smooth = g * (smoothing / n_cols)
-        for i in range(0, n_blocks):
-            cols = ((n_blocks - 1 - i) if REVERSE else i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols[None, :] < n_cols
             x = tl.load(x_base + cols[None, :] * stride_xc, mask=valid[:, None] & in_cols, other=0.0).to(tl.float32)
             d = a[:, None] * tl.exp((x - hi[:, None]) - lo[:, None])
@@ -287,68 +294,6 @@ def _backward_rows(
             d = tl.where(cols[None, :] == t[:, None], d - c_target[:, None], d)
             d = tl.where(valid[:, None], d, 0.0)
             tl.store(dx_base + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols)
-
-
-@triton.jit
-def _ce_fwd_kernel(
-    x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_tr, stride_tc,
-    stride_lse, ignore_index, smoothing, z_loss, cols_key, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    _forward_rows(x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, rows, n_rows, n_cols, stride_xr, stride_xc,
-                  stride_tr, stride_tc, stride_lse, ignore_index, smoothing, z_loss, HAS_SMOOTHING, HAS_Z, HAS_WEIGHT,
-                  SOFT, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _ce_bwd_kernel(
-    x_ptr, t_ptr, w_ptr, lse_ptr, aux_ptr, g_ptr, denom_ptr, dx_ptr, dt_ptr, n_rows, n_cols, stride_xr, stride_xc,
-    stride_tr, stride_tc, stride_g, stride_dr, stride_dtr, stride_lse, ignore_index, smoothing, z_loss, cols_key,
-    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """dx = g_r * dloss_r/dx (and dq = g_r * dloss_r/dq for TARGET_GRAD), g_r = g[r * stride_g] (stride 0: one
-    factor for all rows), / denominator if MEAN."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    in_rows = rows < n_rows
-    g = tl.load(g_ptr + rows64 * stride_g, mask=in_rows, other=0.0).to(tl.float32)
-    if MEAN:
-        g = g / tl.load(denom_ptr).to(tl.float32)
-    if SOFT:
-        kept = in_rows
-    else:
-        t, kept, in_range = _targets(t_ptr, rows, n_rows, n_cols, stride_tr, ignore_index)
-    hi = tl.load(lse_ptr + rows64, mask=kept, other=0.0)
-    lo = tl.load(lse_ptr + stride_lse + rows64, mask=kept, other=0.0)
-    if SOFT or (HAS_WEIGHT and HAS_SMOOTHING):  # (elsewhere aux_ptr is a placeholder, not read)
-        aux = tl.load(aux_ptr + rows64, mask=kept, other=0.0)
-    else:
-        aux = hi
-    _backward_rows(x_ptr, t_ptr, w_ptr, dx_ptr, dt_ptr, rows, g, hi, lo, aux, n_rows, n_cols, stride_xr, stride_xc,
-                   stride_tr, stride_tc, stride_dr, stride_dtr, ignore_index, smoothing, z_loss, HAS_SMOOTHING,
-                   HAS_Z, HAS_WEIGHT, SOFT, TARGET_GRAD, BLOCK_M, BLOCK_N, False)
-
-
-@triton.jit
-def _ce_fwd_bwd_kernel(
-    x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, g_ptr, dt_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_tr,
-    stride_tc, stride_g, stride_dtr, stride_lse, ignore_index, smoothing, z_loss, cols_key,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr,
-    TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The forward, then g_r * dloss_r/dx written over x by the same program: its second sweep runs last block
-    first, so that a long row is read again from L2 where the first left it."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    hi, lo, aux = _forward_rows(x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, rows, n_rows, n_cols, stride_xr,
-                                stride_xc, stride_tr, stride_tc, stride_lse, ignore_index, smoothing, z_loss,
-                                HAS_SMOOTHING, HAS_Z, HAS_WEIGHT, SOFT, BLOCK_M, BLOCK_N)
-    g = tl.load(g_ptr + rows.to(tl.int64) * stride_g, mask=rows < n_rows, other=0.0).to(tl.float32)
-    _backward_rows(x_ptr, t_ptr, w_ptr, x_ptr, dt_ptr, rows, g, hi, lo, aux, n_rows, n_cols, stride_xr, stride_xc,
-                   stride_tr, stride_tc, stride_xr, stride_dtr, ignore_index, smoothing, z_loss, HAS_SMOOTHING,
-                   HAS_Z, HAS_WEIGHT, SOFT, TARGET_GRAD, BLOCK_M, BLOCK_N, True)
 
 
 @triton.jit
@@ -403,8 +348,7 @@ def _autotuned(kernel):
     return triton.autotune(configs, key=["cols_key", *FLAGS], prune_configs_by={"early_config_prune": _prune})(kernel)
 
 
-_KERNELS = {"fwd": (_ce_fwd_kernel, _autotuned(_ce_fwd_kernel)), "bwd": (_ce_bwd_kernel, _autotuned(_ce_bwd_kernel)),
-            "fwd_bwd": (_ce_fwd_bwd_kernel, None)}  # in place: never tuned
+_KERNELS = {"fwd": (_ce_fwd_kernel, _autotuned(_ce_fwd_kernel)), "bwd": (_ce_bwd_kernel, _autotuned(_ce_bwd_kernel))}
 _tuned_configs: dict[tuple, tuple[int, int]] = {}  # (kernel, cols_key, dtype, device, flags) -> (BLOCK_N, warps)
 
 
@@ -534,32 +478,3 @@ def cross_entropy_backward(
     consts = dict(MEAN=denom is not None, **_consts(smoothing, z_loss, weight, soft, grad_target is not None))
     _launch("bwd", x, args, consts, may_tune=not in_place)
     return out
-
-
-def cross_entropy_forward_backward(
-    x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float, grad: torch.Tensor,
-    loss: torch.Tensor, lse: torch.Tensor, *, weight: torch.Tensor | None = None, aux: torch.Tensor | None = None,
-    grad_target: torch.Tensor | None = None,
-) -> None:
-    """``cross_entropy_forward`` into ``loss``/``lse``/``aux``, then ``cross_entropy_backward`` over ``x`` itself (2-D,
-    unit column stride; the caller's own buffer), in one kernel: each row's second sweep re-reads what its first
-    just read, from L2 for the most part. ``grad``: 0-d or (rows,), the factor of each row's gradient (no "mean"
-    division here)."""
-    n_rows, n_cols = x.shape
-    if n_rows == 0:
-        return
-    assert x.stride(1) == 1
-    soft = target.is_floating_point()
-    if grad_target is not None:
-        assert soft and grad_target.stride(1) == 1 and grad_target.shape == x.shape
-    if needs_aux(soft, weight is not None, smoothing):
-        assert aux is not None
-    stride_tr, stride_tc = _target_strides(target)
-    stride_g = 0 if grad.dim() == 0 else grad.stride(0)
-    stride_dtr = grad_target.stride(0) if grad_target is not None else 0
-    args = (x, target, weight if weight is not None else loss, loss, lse, aux if aux is not None else loss, grad,
-            grad_target if grad_target is not None else x, n_rows, n_cols, x.stride(0), x.stride(1), stride_tr,
-            stride_tc, stride_g, stride_dtr, lse.stride(0), ignore_index, float(smoothing), float(z_loss),
-            next_power_of_2(n_cols))
-    _launch("fwd_bwd", x, args, _consts(smoothing, z_loss, weight, soft, grad_target is not None), may_tune=False)
-

@@ -3,8 +3,8 @@
 Per chunk of rows, ``fusedlayers.ops.linear_cross_entropy`` runs
 
     logits = x_c @ W^T (+ b)            cuBLAS (torch.mm / addmm into a reused chunk buffer)
-    loss, lse, dlogits                  one Triton CE kernel: a sweep of each row for its logsumexp, then a
-                                        second sweep, last block first (from L2), writing dlogits over the chunk
+    loss, lse                           Triton CE forward kernel (one read of the chunk)
+    dlogits                             Triton CE backward kernel, written over the chunk buffer
     grad_x_c = dlogits @ W              cuBLAS, straight into grad_x's rows
     grad_W  += dlogits^T @ x_c          cuBLAS with bf16/fp16 operands and an fp32 output and
                                         accumulator (``addmm_fp32_``) by default; in the weight's own dtype
