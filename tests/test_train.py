@@ -505,6 +505,15 @@ def test_sample_script_generates_from_a_checkpoint(tmp_path, cache_dir, capsys) 
         sample.parse([f"ckpt_path={tmp_path}/missing.ckpt"])
 
 
+def test_help_names_every_layer_choice(tmp_path) -> None:
+    """`python train.py --help` ends with the layer choices (every registry) and the sampling command."""
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert all(f"model.{key}" in res.stdout for key in REGISTRIES), res.stdout[-1500:]
+    assert "python -m models.sample ckpt_path=" in res.stdout
+
+
 def test_bad_config_values_fail_with_valid_names(tmp_path, cache_dir) -> None:
     for key in ("attention", "loss", "checkpoint"):
         valid = ", ".join(REGISTRIES[key].names())
