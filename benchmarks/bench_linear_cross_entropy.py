@@ -14,7 +14,10 @@ inputs (x, W, targets), including the returned gradients of x and W. Then the ac
 against a float64 evaluation (chunked, same inputs): max |error| of grad_W and grad_x relative to max |grad|.
 
     python benchmarks/bench_linear_cross_entropy.py [--out benchmarks/results/<device>-linear_cross_entropy.md]
-                                                    [--tune] [--settings bf16 autocast]
+                                                    [--tune] [--rounds 5] [--settings bf16 autocast]
+
+Each implementation is timed in ``--rounds`` interleaved rounds (its best round reported, its slowest shown): on a
+shared host a slow phase then costs every row one round instead of one row every round.
 
 ``--tune`` also sweeps the chunk size (both accumulators) and times the CE kernels on one chunk.
 Liger-Kernel is optional (carried as a wheel to the lent GPU); its rows are skipped without it.
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_cross_entropy import copy_bandwidth, peak_extra_bytes  # the same measurements for both
-from timing import report
+from timing import report, time_rounds
 from triton.testing import do_bench
 
 import fusedlayers as fl
@@ -149,7 +152,7 @@ def float64_gradients(x, w, t) -> tuple[torch.Tensor, torch.Tensor]:
     return gx, gw
 
 
-def bench(setting: str, tune: bool) -> tuple[list[dict], float]:
+def bench(setting: str, tune: bool, rounds: int) -> tuple[list[dict], float]:
     torch.manual_seed(0)
     dtype = BF16 if setting == "bf16" else torch.float32
     x = torch.randn(N, H, device="cuda").to(dtype).requires_grad_()
@@ -158,19 +161,18 @@ def bench(setting: str, tune: bool) -> tuple[list[dict], float]:
     t[::10] = -100
     mm_ms = matmuls_alone(x.detach().to(BF16), w.detach().to(BF16))
     g64x, g64w = float64_gradients(x.detach(), w.detach(), t)
-    rows = []
+    rows, timed = [], []
     for name, f in impls(setting, tune).items():
         def fwd_bwd(f=f):
             with torch.autocast("cuda", dtype=BF16, enabled=setting == "autocast"):
                 loss = f(x, w, t)
             return torch.autograd.grad(loss, (x, w))
 
-        try:
+        try:  # accuracy and peak memory first, one implementation at a time (also compiles and warms up)
             gx, gw = fwd_bwd()
             err_w = ((gw.double() - g64w).abs().max() / g64w.abs().max()).item()
             err_x = ((gx.double() - g64x).abs().max() / g64x.abs().max()).item()
             del gx, gw
-            ms = median_ms(fwd_bwd)
             peak = peak_extra_bytes(fwd_bwd)
         except Exception as e:  # noqa: BLE001  (out of memory, or a peer that does not take this setting)
             print(f"{setting} {name}: {type(e).__name__}: {str(e)[:200]}")
@@ -178,24 +180,29 @@ def bench(setting: str, tune: bool) -> tuple[list[dict], float]:
         finally:
             gc.collect()
             torch.cuda.empty_cache()
-        rows.append(dict(setting=setting, impl=name, ms=ms, tflops=6 * N * H * V / (ms * 1e-3) / 1e12,
-                         peak=peak / MiB, err_w=err_w, err_x=err_x))
-        print(rows[-1])
+        rows.append(dict(setting=setting, impl=name, peak=peak / MiB, err_w=err_w, err_x=err_x))
+        timed.append((fwd_bwd, median_ms))
+    # then the times, in interleaved rounds (timing.time_rounds): a slow phase of the host costs one round of every
+    # row instead of every round of one row; each row keeps its best round
+    for row, times in zip(rows, time_rounds(timed, rounds), strict=True):
+        row.update(ms=min(times), slowest_ms=max(times), tflops=6 * N * H * V / (min(times) * 1e-3) / 1e12)
+        print(row)
     return rows, mm_ms
 
 
 def table(rows: list[dict], mm_ms: float) -> str:
     compiled = next((r for r in rows if r["impl"] == "torch.compile"), None)
     liger = next((r for r in rows if r["impl"] == "liger"), None)
-    lines = ["| impl | fwd+bwd ms | TFLOP/s (3 matmuls) | x matmuls alone | time / torch.compile | peak extra MiB | "
-             "peak / Liger | grad_W err | grad_x err |", "|---" * 9 + "|"]
+    lines = ["| impl | fwd+bwd ms | slowest round ms | TFLOP/s (3 matmuls) | x matmuls alone | time / torch.compile | "
+             "peak extra MiB | peak / Liger | grad_W err | grad_x err |", "|---" * 10 + "|"]
     for r in rows:
         vs_compile = f"{r['ms'] / compiled['ms']:.3f}" if compiled else "-"
         vs_liger = f"{r['peak'] / liger['peak']:.2f}" if liger else "-"
-        lines.append(f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['ms'] / mm_ms:.2f} | {vs_compile} | "
-                     f"{r['peak']:.0f} | {vs_liger} | {r['err_w']:.2e} | {r['err_x']:.2e} |")
-    lines.append(f"| three matmuls alone (cuBLAS, bf16) | {mm_ms:.2f} | {6 * N * H * V / (mm_ms * 1e-3) / 1e12:.0f} | "
-                 "1.00 | - | - | - | - | - |")
+        lines.append(f"| {r['impl']} | {r['ms']:.2f} | {r['slowest_ms']:.2f} | {r['tflops']:.0f} | "
+                     f"{r['ms'] / mm_ms:.2f} | {vs_compile} | {r['peak']:.0f} | {vs_liger} | {r['err_w']:.2e} | "
+                     f"{r['err_x']:.2e} |")
+    mm_tflops = 6 * N * H * V / (mm_ms * 1e-3) / 1e12
+    lines.append(f"| three matmuls alone (cuBLAS, bf16) | {mm_ms:.2f} | - | {mm_tflops:.0f} | 1.00 |" + " - |" * 5)
     return "\n".join(lines)
 
 
@@ -203,6 +210,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     parser.add_argument("--tune", action="store_true", help="also sweep chunk sizes and time the CE kernels")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="time every implementation this many times, interleaved; keep the best")
     parser.add_argument("--settings", nargs="+", default=["bf16", "autocast"], choices=["bf16", "autocast"])
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
@@ -215,7 +224,8 @@ def main() -> None:
     text = (
         f"# linear_cross_entropy -- {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton "
         f"{triton.__version__}, python {platform.python_version()}. N={N} tokens, H={H}, V={V}, every 10th target "
-        "ignored, reduction mean; forward+backward = torch.autograd.grad(loss, (x, W)); do_bench median. 'peak "
+        "ignored, reduction mean; forward+backward = torch.autograd.grad(loss, (x, W)); do_bench median, the best of "
+        f"{args.rounds} interleaved rounds. 'peak "
         "extra' is the peak allocation beyond x, W and the targets, including the returned gradients. 'grad err' "
         "is max |grad - grad_float64| / max |grad_float64|. eager = F.cross_entropy(F.linear(x, W).float(), t) "
         "(logits upcast to fp32, as common in training code) or on the bf16 logits; torch.compile compiles the "
@@ -226,7 +236,7 @@ def main() -> None:
         f"{copy_bw / 1e12:.2f} TB/s.\n"
     )
     for setting in args.settings:
-        rows, mm_ms = bench(setting, args.tune)
+        rows, mm_ms = bench(setting, args.tune, args.rounds)
         title = ("bf16 x and W" if setting == "bf16"
                  else "autocast(bf16), fp32 x and fp32 master W (grad_W fp32)")
         text += f"\n## {title}\n\n" + table(rows, mm_ms) + "\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 TENSOR_BYTES = 256 * 2**20  # the memory-bound benchmarks' tensor size (and the copy that calibrates them)
@@ -49,13 +51,17 @@ def kernel_ms(fn, calls: int = 20) -> float:
 
 def time_rounds(timed: list[tuple], rounds: int) -> list[list[float]]:
     """ms per call of each ``(fn, timer)`` in ``timed``, in ``rounds`` interleaved rounds (round r times every fn once,
-    in order): a slow phase of a shared host, seconds long, then costs one round of several rows instead of every
-    measurement of one row. Returns each fn's times, one per round; the benchmarks report the best round and show
-    the slowest."""
+    in an order shuffled with seed r): a slow phase of a shared host, seconds long, then costs one round of several
+    rows instead of every measurement of one row, and no row always follows the same neighbour (a heavy row before
+    it can leave the GPU hot or its memory pool fragmented). Returns each fn's times, one per round; the benchmarks
+    report the best round and show the slowest."""
     times = [[] for _ in timed]
-    for _ in range(rounds):
-        for fn_times, (fn, timer) in zip(times, timed, strict=True):
-            fn_times.append(timer(fn))
+    for r in range(rounds):
+        order = list(range(len(timed)))
+        random.Random(r).shuffle(order)
+        for i in order:
+            fn, timer = timed[i]
+            times[i].append(timer(fn))
     return times
 
 

@@ -503,6 +503,15 @@ def test_triton_scale_kernels():
     expected = (buf.float() * 0.37).half()
     assert kernels.scale_(buf, torch.tensor(0.37)) is buf
     torch.testing.assert_close(buf, expected, rtol=0, atol=0)
+    # a factor of exactly 1 in place leaves every bit as it was (NaN, inf, -0); scale_cast still casts
+    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-8])
+    buf = torch.cat([src.flatten(), special]).half()
+    before = buf.clone()
+    assert kernels.scale_(buf, torch.tensor(1.0)) is buf
+    assert torch.equal(buf.view(torch.int16), before.view(torch.int16))
+    torch.testing.assert_close(kernels.scale_cast(buf, torch.tensor(1.0), torch.float32), before.float(), equal_nan=True)
+    kernels.scale_(buf, torch.tensor(1.0 + 2**-10))  # the smallest step above 1 in fp16 still scales
+    torch.testing.assert_close(buf, (before.float() * (1.0 + 2**-10)).half(), rtol=0, atol=0, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------- autograd machinery

@@ -65,12 +65,14 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float
 
 
 @triton.jit
-def _scale_cast_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+def _scale_cast_kernel(src_ptr, g_ptr, dst_ptr, numel, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
     g = tl.load(g_ptr).to(tl.float32)
-    x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + offs, (x * g).to(dst_ptr.dtype.element_ty), mask=mask)
+    # in place, a factor of exactly 1 (``loss.backward()``) leaves every value as it is: no pass over the buffer
+    if not IN_PLACE or g != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst_ptr + offs, (x * g).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,16 +82,20 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
     numel = src.numel()
     if numel:
         block = 4096
-        launch(_scale_cast_kernel, (cdiv(numel, block),), src, g, out, numel, BLOCK=block, num_warps=8)
+        launch(_scale_cast_kernel, (cdiv(numel, block),), src, g, out, numel, IN_PLACE=False, BLOCK=block,
+               num_warps=8)
     return out
 
 
 def scale_(buffer: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``buffer *= g`` in place (contiguous ``buffer``, 0-d ``g``), computed in fp32; returns ``buffer``. Each element
-    is read and written by the same program."""
+    is read and written by the same program. Where g is exactly 1 the programs read g and stop: x * 1 is x in
+    every dtype (NaN and -0 included), and the pass over a gradient-sized buffer (0.35 ms for a 128256 x 2048 bf16
+    gradient on an H100, 0.7 ms in fp32) is saved without the host reading g."""
     assert buffer.is_contiguous()
     numel = buffer.numel()
     if numel:
         block = 4096
-        launch(_scale_cast_kernel, (cdiv(numel, block),), buffer, g, buffer, numel, BLOCK=block, num_warps=8)
+        launch(_scale_cast_kernel, (cdiv(numel, block),), buffer, g, buffer, numel, IN_PLACE=True, BLOCK=block,
+               num_warps=8)
     return buffer
