@@ -26,6 +26,7 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
+import random
 import sys
 import time
 
@@ -275,11 +276,14 @@ def device_tag() -> str:
 
 def best_of(rounds, b, h, length, d, causal):
     """Each implementation's (forward ms, forward+backward ms, peak MiB), the times the least over ``rounds``
-    interleaved rounds (None where it never ran): the lent GPU hosts have slow phases, and a quarter-millisecond call
-    timed once lands in one now and then (D64 L = 1024 read 217 TFLOP/s in one run, 377-379 in four fresh samples)."""
+    interleaved rounds, each in a shuffled order (None where it never ran): the lent GPU hosts have slow phases, and a
+    quarter-millisecond call timed once lands in one now and then (D64 L = 1024 read 217 TFLOP/s in one run, 377-379
+    in four fresh samples)."""
     res = {}
-    for _ in range(rounds):
-        for name in (*OURS, *PEERS):
+    for round_ in range(rounds):
+        order = [*OURS, *PEERS]
+        random.Random(round_).shuffle(order)  # no implementation always runs right after the same one
+        for name in order:
             r = measure(name, b, h, length, d, causal)
             old = res.get(name)
             res[name] = old if r is None else r if old is None else (min(old[0], r[0]), min(old[1], r[1]), r[2])
@@ -332,8 +336,8 @@ def table(best, out_path, quick, rounds):
         f"# scaled_dot_product_attention on {torch.cuda.get_device_name()}\n\n"
         f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
         f"Python {platform.python_version()}. bf16, batch*L = {TOKENS}, H*D = {WIDTH}, random data, "
-        f"triton.testing.do_bench median, the best of {rounds} interleaved rounds. TFLOP/s: forward 4*B*H*L*S*D "
-        "(halved when causal), forward+backward "
+        f"triton.testing.do_bench median, the best of {rounds} interleaved rounds (each in a shuffled order). "
+        "TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
         "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
         "torch.compile(flex_attention) (causal: a block mask built once per length, outside the timing). "
         "fl Triton: fl with its Hopper (Gluon) forward and dK/dV kernels switched off, the Triton kernels everywhere. "
