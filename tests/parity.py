@@ -16,6 +16,7 @@ checks each element against an a-priori error bound built from the float64 magni
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Absolute floor added to 2x the stock error, per dtype of the compared tensors.
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -90,3 +91,30 @@ def float64_hf_norms(model: torch.nn.Module) -> torch.nn.Module:
         elif kind is flt._gemma_rms_norm_forward:
             m.forward = lambda x, m=m: normalized(x, m.eps) * (1.0 + m.weight)
     return model
+
+
+def stock_cross_entropy(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
+    """F.cross_entropy plus the z-loss written with torch ops (in x's dtype, or float64 for the reference): per
+    non-ignored row z * lse^2, times weight[t] with class weights; "mean" over the same denominator. The stock twin
+    of ``fl.cross_entropy`` (and, on F.linear's logits, of ``fl.linear_cross_entropy``)."""
+    soft = t.is_floating_point()
+    kw = dict(weight=weight, reduction=reduction, label_smoothing=label_smoothing)
+    loss = F.cross_entropy(x, t, **kw) if soft else F.cross_entropy(x, t, ignore_index=ignore_index, **kw)
+    if z_loss:
+        lse = torch.logsumexp(x, 1)
+        if soft:
+            z, denom = z_loss * lse.square(), lse.numel()
+        else:
+            keep = t != ignore_index
+            w_t = weight[torch.where(keep, t, 0)] if weight is not None else torch.ones_like(lse)
+            w_t = torch.where(keep, w_t, 0.0)
+            z, denom = z_loss * w_t * lse.square(), w_t.sum()
+        loss = loss + (z if reduction == "none" else z.sum() / denom if reduction == "mean" else z.sum())
+    return loss
+
+
+def loss_floor(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """FLOOR scaled to the magnitude of a reduced loss (a sum of ~300 in fp32 is only known to ~3e-5: one rounding
+    to the output dtype)."""
+    scale = reference.detach().abs().max().item() if reference.numel() else 0.0
+    return FLOOR[value.dtype] * max(1.0, scale if scale == scale else 1.0)

@@ -18,7 +18,8 @@ from torch.library import opcheck
 import fusedlayers as fl
 from fusedlayers import _validate
 from fusedlayers.kernels import cross_entropy as kernels
-from tests.parity import FLOOR, assert_parity
+from tests.parity import assert_parity, loss_floor
+from tests.parity import stock_cross_entropy as stock_loss
 
 REDUCTIONS = ["mean", "sum", "none"]
 BACKENDS = ["reference", "triton"]
@@ -39,32 +40,6 @@ def _class_weights(n_classes: int, device="cpu"):
     return torch.rand(n_classes, device=device) * 1.5 + 0.25
 
 
-def stock_loss(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
-    """F.cross_entropy plus the z-loss written with torch ops (in x's dtype, or float64 for the reference): per
-    non-ignored row z * lse^2, times weight[t] with class weights; "mean" over the same denominator."""
-    soft = t.is_floating_point()
-    kw = dict(weight=weight, reduction=reduction, label_smoothing=label_smoothing)
-    loss = F.cross_entropy(x, t, **kw) if soft else F.cross_entropy(x, t, ignore_index=ignore_index, **kw)
-    if z_loss:
-        lse = torch.logsumexp(x, 1)
-        if soft:
-            z, denom = z_loss * lse.square(), lse.numel()
-        else:
-            keep = t != ignore_index
-            w_t = weight[torch.where(keep, t, 0)] if weight is not None else torch.ones_like(lse)
-            w_t = torch.where(keep, w_t, 0.0)
-            z, denom = z_loss * w_t * lse.square(), w_t.sum()
-        loss = loss + (z if reduction == "none" else z.sum() / denom if reduction == "mean" else z.sum())
-    return loss
-
-
-def _relative_floor(value, reference) -> float:
-    """The per-dtype floor of tests/parity.py, scaled to the magnitude of a reduced loss (a sum of ~300 in
-    fp32 is only known to ~3e-5: one rounding to the output dtype)."""
-    scale = reference.detach().abs().max().item() if reference.numel() else 0.0
-    return FLOOR[value.dtype] * max(1.0, scale if scale == scale else 1.0)
-
-
 def _check(x, t, grad_seed: int = 1, weight=None, **kw):
     """Loss and gradients (input; probabilities too) of fl.cross_entropy vs the stock ops vs the float64
     reference. Class weights go to torch in the input's dtype (torch requires it for class indices)."""
@@ -83,7 +58,7 @@ def _check(x, t, grad_seed: int = 1, weight=None, **kw):
     stock = stock_loss(*args(stock_in), weight=w, **kw)
     ref = stock_loss(*args(ref_in), weight=w64, **kw)
     assert fused.shape == stock.shape and fused.dtype == stock.dtype
-    assert_parity(fused, stock, ref, "loss", floor=_relative_floor(fused, ref))
+    assert_parity(fused, stock, ref, "loss", floor=loss_floor(fused, ref))
     gen = torch.Generator().manual_seed(grad_seed)
     grad = torch.rand(stock.shape, generator=gen).to(device=x.device, dtype=stock.dtype) + 0.5
     fused.backward(grad)

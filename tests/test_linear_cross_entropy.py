@@ -17,7 +17,7 @@ from torch.library import opcheck
 
 import fusedlayers as fl
 from fusedlayers.ops import linear_cross_entropy as lce_ops
-from tests.parity import FLOOR, assert_parity, max_error
+from tests.parity import FLOOR, assert_parity, loss_floor, max_error, stock_cross_entropy
 
 REDUCTIONS = ["mean", "sum", "none"]
 BACKENDS = ["reference", "triton"]
@@ -42,28 +42,8 @@ def _class_weights(n_classes, device="cpu"):
 
 
 def stock_loss(x, w, t, b=None, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
-    """F.cross_entropy(F.linear(...)) plus the z-loss written with torch ops (see tests/test_cross_entropy.py)."""
-    logits = F.linear(x, w, b)
-    soft = t.is_floating_point()
-    kw = dict(weight=weight, reduction=reduction, label_smoothing=label_smoothing)
-    loss = F.cross_entropy(logits, t, **kw) if soft else F.cross_entropy(logits, t, ignore_index=ignore_index, **kw)
-    if z_loss:
-        lse = torch.logsumexp(logits, -1)
-        if soft:
-            z, denom = z_loss * lse.square(), lse.numel()
-        else:
-            keep = t != ignore_index
-            w_t = weight[torch.where(keep, t, 0)] if weight is not None else torch.ones_like(lse)
-            w_t = torch.where(keep, w_t, 0.0)
-            z, denom = z_loss * w_t * lse.square(), w_t.sum()
-        loss = loss + (z if reduction == "none" else z.sum() / denom if reduction == "mean" else z.sum())
-    return loss
-
-
-def _relative_floor(value, reference) -> float:
-    """tests/parity.py's per-dtype floor scaled to the magnitude of a reduced loss (one output rounding)."""
-    scale = reference.detach().abs().max().item() if reference.numel() else 0.0
-    return FLOOR[value.dtype] * max(1.0, scale if scale == scale else 1.0)
+    """F.cross_entropy(F.linear(...)) plus the z-loss written with torch ops."""
+    return stock_cross_entropy(F.linear(x, w, b), t, weight, ignore_index, reduction, label_smoothing, z_loss)
 
 
 def _check(x, w, t, b=None, weight=None, chunk_size=None, **kw):
@@ -85,7 +65,7 @@ def _check(x, w, t, b=None, weight=None, chunk_size=None, **kw):
     stock = stock_loss(*split(stock_in), weight=cw, **kw)
     ref = stock_loss(*split(ref_in), weight=cw.double() if cw is not None else None, **kw)
     assert fused.shape == stock.shape and fused.dtype == stock.dtype
-    assert_parity(fused, stock, ref, "loss", floor=_relative_floor(fused, ref))
+    assert_parity(fused, stock, ref, "loss", floor=loss_floor(fused, ref))
     grad = torch.rand(stock.shape, generator=torch.Generator().manual_seed(1)).to(stock) + 0.5
     fused.backward(grad)
     stock.backward(grad)
