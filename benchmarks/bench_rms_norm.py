@@ -23,7 +23,7 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
-from timing import TENSOR_BYTES, copy_bandwidth, median_ms, report, time_rows
+from timing import TENSOR_BYTES, copy_bandwidth, median_ms, report, time_rows, unstable_rows
 
 import fusedlayers as fl
 from fusedlayers.kernels import _norm as kernels
@@ -124,9 +124,7 @@ def table(rows: list[dict]) -> str:
         line += " | ".join(f"{cells[i]['tbs']:.2f} ({cells[i]['frac']:.0%})" if i in cells else "-" for i in impls)
         line += f" | {best_peer / cells['fused']['ms']:.3f}x | {best_target / cells['fused']['ms']:.3f}x |"
         lines.append(line)
-    spread = [f"{r['op']} {r['cols']} {r['mode']} {r['impl']} {r['slowest_ms'] / r['ms']:.2f}x" for r in rows
-              if r["slowest_ms"] > 1.03 * r["ms"]]
-    lines.append("\nRows whose slowest round took over 3% longer than their best: " + (", ".join(spread) or "none"))
+    lines.append("\n" + unstable_rows(rows))
     return "\n".join(lines)
 
 

@@ -71,3 +71,10 @@ def report(text: str, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             f.write(text)
+
+
+def unstable_rows(rows: list[dict]) -> str:
+    """The line that lists the rows (timed by ``time_rows``) whose slowest round took over 3% longer than their best."""
+    spread = [f"{r['op']} {r['cols']} {r['mode']} {r['impl']} {r['slowest_ms'] / r['ms']:.2f}x" for r in rows
+              if r["slowest_ms"] > 1.03 * r["ms"]]
+    return "Rows whose slowest round took over 3% longer than their best: " + (", ".join(spread) or "none")
