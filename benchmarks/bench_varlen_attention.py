@@ -149,8 +149,8 @@ def masks_table(out_path, rounds: int = 2):
                                                                     window_size=window, softcap=cap), (q, k, v)),
                          "flex": (lambda a, b, c: flex(a, b, c, softcap), (qf, kf, vf))}
                 for r in range(rounds):  # interleaved: a slow phase of the host lands on both; first in turn
-                    for name in ("fl", "flex") if r % 2 == 0 else ("flex", "fl"):
-                        best[name] = min(best[name], time_pair(*calls[name]), key=lambda t: t[1])
+                    for impl in ("fl", "flex") if r % 2 == 0 else ("flex", "fl"):
+                        best[impl] = min(best[impl], time_pair(*calls[impl]), key=lambda t: t[1])
                 ours, theirs = best["fl"], best["flex"]
             padded = None
             if docs:  # every document padded to the longest, our dense causal kernel
