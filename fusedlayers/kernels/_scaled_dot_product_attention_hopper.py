@@ -18,8 +18,9 @@ inline, with a writer partition or pipelined: h100-attention-experiments.md, ses
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 2048, H100, session 18, four rounds a row): forward 0.96-1.13x (D128 1.03-1.11x; D64 2K not causal
-0.96x), forward+backward 0.88-1.10x (the D64 rows 0.88-0.98x: this D64 backward runs at about 0.84x cuDNN's).
+(D 64/128, L >= 2048, H100, session 19, four shuffled rounds a row): forward 0.99-1.12x (every D64 row 1.00-1.12x;
+D128 2K not causal 0.99x), forward+backward 0.87-1.03x (the D64 rows 0.87-0.98x: this D64 backward runs at about 0.84x
+cuDNN's); each run since session 17 has had one or two rows a few percent under 1.0x / 0.9x, never the same ones.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv; the forward also 256, whose backward is the Triton kernels'),
 no attn_mask or dropout, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim
