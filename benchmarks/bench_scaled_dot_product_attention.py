@@ -26,7 +26,6 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
-import random
 import sys
 import time
 
@@ -36,6 +35,8 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timing import round_order  # noqa: E402
 
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper  # noqa: E402
@@ -281,9 +282,7 @@ def best_of(rounds, b, h, length, d, causal):
     in four fresh samples)."""
     res = {}
     for round_ in range(rounds):
-        order = [*OURS, *PEERS]
-        random.Random(round_).shuffle(order)  # no implementation always runs right after the same one
-        for name in order:
+        for name in round_order([*OURS, *PEERS], round_):
             r = measure(name, b, h, length, d, causal)
             old = res.get(name)
             res[name] = old if r is None else r if old is None else (min(old[0], r[0]), min(old[1], r[1]), r[2])

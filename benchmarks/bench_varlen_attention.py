@@ -25,6 +25,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_scaled_dot_product_attention import DEVICE, DTYPE, WIDTH, device_tag, median_ms  # noqa: E402
+from timing import round_order  # noqa: E402
 
 import fusedlayers as fl  # noqa: E402
 
@@ -149,7 +150,7 @@ def masks_table(out_path, rounds: int = 2):
                                                                     window_size=window, softcap=cap), (q, k, v)),
                          "flex": (lambda a, b, c: flex(a, b, c, softcap), (qf, kf, vf))}
                 for r in range(rounds):  # interleaved: a slow phase of the host lands on both; first in turn
-                    for impl in ("fl", "flex") if r % 2 == 0 else ("flex", "fl"):
+                    for impl in round_order(("fl", "flex"), r):
                         best[impl] = min(best[impl], time_pair(*calls[impl]), key=lambda t: t[1])
                 ours, theirs = best["fl"], best["flex"]
             padded = None

@@ -49,17 +49,25 @@ def kernel_ms(fn, calls: int = 20) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
+def round_order(items, round_: int) -> list:
+    """``items`` in the order round ``round_`` of interleaved timing runs them: shuffled with the round as the seed, so
+    that no item always runs right after the same neighbour; two items take turns going first."""
+    items = list(items)
+    if len(items) == 2:
+        return items if round_ % 2 == 0 else items[::-1]
+    random.Random(round_).shuffle(items)
+    return items
+
+
 def time_rounds(timed: list[tuple], rounds: int) -> list[list[float]]:
     """ms per call of each ``(fn, timer)`` in ``timed``, in ``rounds`` interleaved rounds (round r times every fn once,
-    in an order shuffled with seed r): a slow phase of a shared host, seconds long, then costs one round of several
+    in ``round_order``): a slow phase of a shared host, seconds long, then costs one round of several
     rows instead of every measurement of one row, and no row always follows the same neighbour (a heavy row before
     it can leave the GPU hot or its memory pool fragmented). Returns each fn's times, one per round; the benchmarks
     report the best round and show the slowest."""
     times = [[] for _ in timed]
     for r in range(rounds):
-        order = list(range(len(timed)))
-        random.Random(r).shuffle(order)
-        for i in order:
+        for i in round_order(range(len(timed)), r):
             fn, timer = timed[i]
             times[i].append(timer(fn))
     return times
