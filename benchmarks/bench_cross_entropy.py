@@ -24,18 +24,13 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
-from timing import report
-from triton.testing import do_bench
+from timing import median_ms, report
 
 import fusedlayers as fl
 from fusedlayers.kernels import cross_entropy as kernels
 
 SHAPES = [(8192, 32768), (8192, 128256)]
 MiB = 2**20
-
-
-def median_ms(fn, rep: int = 200) -> float:
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def copy_bandwidth() -> float:

@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_cross_entropy import copy_bandwidth, peak_extra_bytes  # the same measurements for both
-from timing import report, time_rounds
-from triton.testing import do_bench
+from timing import median_ms, report, time_rounds
 
 import fusedlayers as fl
 from fusedlayers.kernels import cross_entropy as ce_kernels
@@ -44,10 +43,6 @@ from fusedlayers.ops import linear_cross_entropy as lce_ops
 N, H, V = 8192, 2048, 128256
 MiB = 2**20
 BF16 = torch.bfloat16
-
-
-def median_ms(fn, rep: int = 300) -> float:
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def eager_upcast(x, w, t):
