@@ -22,13 +22,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
-from models.callbacks import peak_flops
-from models.gpt import GPT, GPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the app (models/) runs from the repository
+
+from models.callbacks import peak_flops  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
 
 SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)
 MODELS = {  # name -> (config, the fused twin of each stock part)

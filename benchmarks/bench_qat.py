@@ -1,4 +1,4 @@
-"""The QAT outcome (issue 5, item 8): fp vs int4 post-training quantization vs int4 QAT, on the small GPT.
+"""The QAT outcome: fp vs int4 post-training quantization vs int4 QAT, on the small GPT.
 
 1. train the tiny GPT (configs/model/gpt-tiny) in fp32 on the built-in corpus for ``--steps`` steps;
 2. PTQ: quantize its Linear weights to int4, one scale per 32 input features (model.quant=int4's recipe),
@@ -17,15 +17,19 @@ import argparse
 import copy
 import datetime
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 from timing import report
 
-import fusedlayers as fl
-from models.data import TextDataModule
-from models.gpt import GPT, GPTConfig
-from models.layers import QUANT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the app (models/) runs from the repository
+
+import fusedlayers as fl  # noqa: E402
+from models.data import TextDataModule  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.layers import QUANT  # noqa: E402
 
 
 def batches(dm: TextDataModule, first: int, count: int):

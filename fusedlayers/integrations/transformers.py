@@ -77,14 +77,21 @@ import weakref
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.activations import SiLUActivation
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.models.gemma import modeling_gemma as _gemma
-from transformers.models.llama import modeling_llama as _llama
-from transformers.utils import ModelOutput
+
+try:
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.models.gemma import modeling_gemma as _gemma
+    from transformers.models.llama import modeling_llama as _llama
+    from transformers.utils import ModelOutput
+except ImportError as _error:
+    raise ImportError(
+        "fusedlayers.integrations.transformers needs Hugging Face transformers>=4.54: "
+        f"pip install 'fusedlayers[transformers]' ({type(_error).__name__}: {_error})"
+    ) from _error
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
 
