@@ -10,7 +10,7 @@ allocated beyond what existed before the call (logits and targets), also as a mu
 ``--variants`` adds a table for class weights (with label smoothing) and class-probability targets: fused
 against torch (bf16, fp32 upcast) and torch.compile, fused time relative to the plain class-index fused row.
 
-Liger-Kernel is optional (carried as a wheel to the lent GPU); its rows are skipped without it. Liger
+Liger-Kernel is optional (pip install liger-kernel); its rows are skipped without it. Liger
 writes its gradient into the logits in place, so it runs on its own copy of them.
 """
 

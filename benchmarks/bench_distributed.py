@@ -1,4 +1,4 @@
-"""Multi-GPU training (issue 9): 1 GPU against 2 GPUs with DDP (and FSDP2), through train.py.
+"""Multi-GPU training: 1 GPU against 2 GPUs with DDP (and FSDP2), through train.py.
 
 1. throughput: ``model=gpt-small`` with stock layers, all-fused layers (custom attention, fused linear
    cross-entropy; no checkpointing: on a 141 GB GPU gpt-small does not need the memory it saves) and all-fused

@@ -6,7 +6,7 @@ and 8.
 
     python benchmarks/bench_layer_norm.py [--out benchmarks/results/<device>-layer_norm.md] [--tune] [--rounds 3]
 
-Liger-Kernel is optional (carried as a wheel to the lent GPU); its column is skipped without it. Liger has no fused
+Liger-Kernel is optional (pip install liger-kernel); its column is skipped without it. Liger has no fused
 add + LayerNorm: the residual rows compare with torch and torch.compile only.
 """
 

@@ -20,7 +20,7 @@ Each implementation is timed in ``--rounds`` interleaved rounds (its best round 
 shared host a slow phase then costs every row one round instead of one row every round.
 
 ``--tune`` also sweeps the chunk size (both accumulators) and times the CE kernels on one chunk.
-Liger-Kernel is optional (carried as a wheel to the lent GPU); its rows are skipped without it.
+Liger-Kernel is optional (pip install liger-kernel); its rows are skipped without it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ counted (a few MB).
 
     python benchmarks/bench_rms_norm.py [--out benchmarks/results/<device>-rms_norm.md] [--tune] [--rounds 3]
 
-Liger-Kernel is optional (carried as a wheel to the lent GPU); its column is skipped without it. Its RMSNorm runs
+Liger-Kernel is optional (pip install liger-kernel); its column is skipped without it. Its RMSNorm runs
 with its defaults (casting mode "llama", backward in place over dy: it is given its own copy of dy).
 bench_layer_norm.py reuses this script's machinery.
 """

@@ -5,7 +5,7 @@ Bytes counted: forward 2 tensors (read x, write y), forward+backward 5 (+ read g
 
     python benchmarks/bench_softmax.py [--out benchmarks/results/<device>-softmax.md] [--tune] [--host]
 
-Liger-Kernel is optional (carried as a wheel to the lent GPU); its column is skipped without it.
+Liger-Kernel is optional (pip install liger-kernel); its column is skipped without it.
 """
 
 from __future__ import annotations

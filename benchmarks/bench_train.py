@@ -1,4 +1,4 @@
-"""End-to-end training benchmark on one GPU (issue 7, items 7 and 8), through train.py:
+"""End-to-end training benchmark on one GPU, through train.py:
 
 1. throughput: ``model=gpt-small trainer=gpu`` for ``--steps`` steps with each attention choice
    (stock, sdpa, custom): tokens/s, MFU, peak memory, final val loss;

@@ -1,6 +1,6 @@
 """Parity helpers: compare a fused result and the stock torch result against a float64 reference.
 
-The rule (DESIGN.md): the fused error may be at most 2x the stock error plus a small per-dtype floor.
+The rule (docs/design.md): the fused error may be at most 2x the stock error plus a small per-dtype floor.
 Errors are max-abs over the tensor, measured against the float64 reference computed from the same inputs.
 
 That rule is sound where both errors are dominated by the same deterministic rounding (fp16/bf16 results:

@@ -572,7 +572,7 @@ def test_module_is_a_drop_in():
     assert moved.weight.dtype == torch.float64  # a buffer, as torch's
 
 
-# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
 
 
 @pytest.mark.cuda

@@ -89,7 +89,7 @@ def test_debug_mask_refused():
         fl_sdpa._forward(q, q, q, 0.0, False, True)
 
 
-# ----------------------------------------------------------------------------- CUDA (lent GPU)
+# ----------------------------------------------------------------------------- CUDA (the `cuda` tests)
 
 
 class Unmodified(nn.Module):

@@ -1,7 +1,7 @@
 """fusedlayers.integrations.thunder: our ops as a Lightning Thunder executor.
 
 Skipped, with the reason, where Thunder does not import (lightning-thunder 0.2.6 does not with torch 2.13; it does
-with torch 2.11, as on the lent GPU). Where it imports, the CPU cases run the ops' PyTorch reference and the
+with torch 2.11). Where it imports, the CPU cases run the ops' PyTorch reference and the
 ``cuda``-marked ones the Triton kernels. Each jitted function is compared with eager torch and with Thunder's
 default executors under tests/parity.py's rule against a float64 eager reference (output and the gradient of every
 input or parameter), and its final forward and backward traces must name our symbols -- or, for calls the checkers

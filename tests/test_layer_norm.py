@@ -302,7 +302,7 @@ def test_bad_input_names_the_argument(call, error, name):
         call()
 
 
-# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
 
 
 @pytest.mark.cuda

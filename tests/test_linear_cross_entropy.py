@@ -680,7 +680,7 @@ def test_module_without_torch_twin_fields():
     torch.testing.assert_close(m(x, t), stock_loss(x, m.linear.weight, t, m.linear.bias, z_loss=1e-3))
 
 
-# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
 
 
 @pytest.mark.cuda

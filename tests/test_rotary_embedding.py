@@ -246,7 +246,7 @@ def test_bad_input_errors(call, error, match):
         call()
 
 
-# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
 
 
 @pytest.mark.cuda

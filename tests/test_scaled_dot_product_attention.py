@@ -1097,7 +1097,7 @@ def test_triton_nondeterministic_backward_window_softcap(monkeypatch):
     assert "_attn_bwd_dq_kernel" not in names
 
 
-# ----------------------------------------------------------------------------- CUDA (lent GPU)
+# ----------------------------------------------------------------------------- CUDA (the `cuda` tests)
 
 GPU_CASES = [
     (2, 4, 4, 256, 256, 64, 64, False, None, ()),

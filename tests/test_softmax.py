@@ -705,7 +705,7 @@ def test_softmax_module_is_a_drop_in():
         torch.testing.assert_close(implicit, torch.nn.Softmax()(x))
 
 
-# ----------------------------------------------------------------------------- GPU (run on the lent GPU)
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
 
 
 @pytest.mark.cuda
