@@ -7,7 +7,7 @@
     python train.py -m model.attention=stock,sdpa     # sweep; comparison table + plot in the sweep folder
     python train.py ckpt_path=logs/train/runs/.../checkpoints/last.ckpt   # resume exactly
 
-See configs/ and README.md (## Training) for all options.
+See configs/ and docs/training.md for all options. Needs the app's packages: pip install -e ".[train]".
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+try:
+    import hydra
+    import lightning  # noqa: F401
+    from omegaconf import DictConfig
+except ImportError as error:  # the library installs without the app's packages
+    sys.exit(f"train.py needs the training app's packages ({error}); from the repository: pip install -e \".[train]\"")
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
