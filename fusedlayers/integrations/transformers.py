@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import inspect
 import logging
@@ -347,7 +348,8 @@ def _loss_fallback_reason(model, state) -> tuple[str, str] | None:
     if getattr(_text_config(model), "final_logit_softcapping", None) is not None:
         return "final_logit_softcapping", "final logit soft-capping is not supported by the fused loss"
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or "forward" in head.__dict__:
+    # an nn.Linear subclass that keeps Linear's forward (FSDP2's FSDPLinear) computes what the fused loss does
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
         return "lm_head", f"the output embedding ({type(head).__name__}) is not a plain nn.Linear"
     if model.loss_function is not ForCausalLMLoss:
         return "loss_function", "the model's loss function is not transformers' ForCausalLMLoss"
@@ -427,14 +429,24 @@ def _fused_forward(model, inner, args, kwargs):
     loss_kwargs = dict(extra)
 
     head = model.get_output_embeddings()
-    captured, placeholders = [], []
+    captured, placeholders, losses = [], [], []
 
-    def capture(hidden, *rest, **more):
+    def fused_head(hidden, *rest, **more):
+        # The loss is computed here, as the head's forward inside its module call: where the head is sharded (FSDP2's
+        # fully_shard, DeepSpeed ZeRO-3), the framework's hooks around that call are what give it its whole weight.
+        # The placeholder standing for the logits carries the loss, and the loss returned adds the placeholder's
+        # (empty) sum, so that a gradient reaches the head's output in backward and the framework's backward hooks
+        # on it fire as they would for stock logits. (A model found to change the logits after the head, on its
+        # first call, discards this loss for the stock one.)
         captured.append(hidden)
-        placeholders.append(hidden.new_empty((*hidden.shape[:-1], 0)))
+        if len(captured) == 1:
+            losses.append(_fused_lm_loss(hidden, head, labels, loss_kwargs))
+            placeholders.append(losses[0].new_zeros((*hidden.shape[:-1], 0)) + losses[0])  # not a view (FSDP2)
+        else:
+            placeholders.append(hidden.new_empty((*hidden.shape[:-1], 0)))
         return placeholders[-1]
 
-    head.forward = capture
+    head.forward = fused_head
     try:
         output = stock(*bound.args, **bound.kwargs)
     finally:
@@ -453,7 +465,7 @@ def _fused_forward(model, inner, args, kwargs):
         return stock(*args, **kwargs)
 
     hidden = captured[0]
-    loss = _fused_lm_loss(hidden, head, labels, loss_kwargs)
+    loss = losses[0] + placeholders[0].sum()  # + 0, through the head's output (see fused_head)
     logits = head(hidden) if return_logits else None
     values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
     values.update(loss=loss, logits=logits)
@@ -461,20 +473,56 @@ def _fused_forward(model, inner, args, kwargs):
     return output if return_dict else output.to_tuple()
 
 
-class _FusedForward:
+class _WeakForward:
+    """``fn(owner, *args, **kwargs)`` as the instance-level ``forward`` of ``owner``, holding ``owner`` through a weak
+    reference: a bound method in the instance's own ``__dict__`` would make a reference cycle, so that a dropped model
+    (its GPU memory with it) waited for the garbage collector. A deep copy or pickle of the owner gets a forward bound
+    to the copy."""
+
+    def __init__(self, fn, owner: nn.Module):
+        self.fn, self._owner = fn, weakref.ref(owner)
+
+    @property
+    def owner(self) -> nn.Module:
+        return self._owner()
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self._owner(), *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        params = list(inspect.signature(self.fn).parameters.values())[1:]
+        return inspect.Signature(params)
+
+    def __deepcopy__(self, memo):
+        owner = self._owner()
+        return type(self)(self.fn, memo.get(id(owner), owner))  # the owner is memoized before its __dict__ is copied
+
+    def __reduce__(self):
+        return type(self), (self.fn, self._owner())
+
+
+class _FusedForward(_WeakForward):
     """The ``forward`` of a model instance after ``apply(model, loss=True)``: the stock forward, with the causal-LM
     loss fused when labels are given. Keeps the stock signature (generation and the Trainer inspect it)."""
 
     def __init__(self, model: PreTrainedModel, inner):
-        self.model = model  # deepcopy / pickle of the model keep this pointing at the copy
+        super().__init__(_fused_forward, model)
         self.inner = inner  # a forward the instance had before (e.g. a hook's), else None: the class's
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(_stock_forward(self.model, self.inner))
+        return inspect.signature(_stock_forward(self.owner, self.inner))
 
     def __call__(self, *args, **kwargs):
-        return _fused_forward(self.model, self.inner, args, kwargs)
+        return _fused_forward(self.owner, self.inner, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        owner = self.owner
+        return type(self)(memo.get(id(owner), owner), copy.deepcopy(self.inner, memo))
+
+    def __reduce__(self):
+        return type(self), (self.owner, self.inner)
 
 
 def _apply_loss(model: PreTrainedModel, state: dict) -> None:
@@ -569,7 +617,7 @@ def _apply_module_forwards(model: PreTrainedModel, state: dict, what: str, choos
     for module in model.modules():
         forward = choose(module)
         if forward is not None and "forward" not in module.__dict__:  # not already replaced (by us or anyone)
-            module.forward = types.MethodType(forward, module)
+            module.forward = _WeakForward(forward, module)
             swapped.append(module)
     state[what] = swapped
 
