@@ -792,3 +792,20 @@ def test_fsdp2_sharded_head_matches_stock(head_unit, tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
     mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "init"), head_unit), nprocs=2, join=True)
+
+
+@needs_transformers
+def test_auto_fused_model_from_pretrained_and_from_config(tmp_path, counters):
+    """AutoFusedModelForCausalLM takes AutoModelForCausalLM's arguments and returns the loaded model applied."""
+    model, _ = _tiny("llama")
+    model.save_pretrained(tmp_path)
+    loaded = flt.AutoFusedModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, mlp=False)
+    assert type(loaded) is type(model) and loaded.dtype == torch.float64
+    assert flt.is_applied(loaded) == {**dict.fromkeys(flt._PARTS, True), "mlp": False}
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    batch = _batch("left")
+    reference = _float64_reference(stock)  # its RMSNorms in float64, as ours
+    torch.testing.assert_close(loaded(**batch).loss, _reference_loss(reference, batch), rtol=1e-12, atol=1e-12)
+    assert counters["loss"] == 1 and counters["swiglu"] == 0
+    built = flt.AutoFusedModelForCausalLM.from_config(model.config, loss=False)
+    assert flt.is_applied(built) == {**dict.fromkeys(flt._PARTS, True), "loss": False}

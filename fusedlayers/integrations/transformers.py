@@ -35,9 +35,14 @@ window), ``mask_shape``.
 given, computes the causal-LM loss with ``fl.linear_cross_entropy`` on the final hidden states and the
 output embedding's weight (and bias), so the (tokens x vocab) logits are never materialised. The stock
 forward still runs the base model (every argument, ``logits_to_keep`` and cache handling unchanged); only
-the output embedding is short-circuited while it runs: its input is captured and a zero-width placeholder
-returned. The loss is exactly transformers' ``ForCausalLMLoss``: labels shifted left and padded with
-``ignore_index`` (-100 unless given), or ``shift_labels`` if given; ``"mean"`` over the non-ignored tokens,
+the output embedding is short-circuited while it runs: the loss is computed from its input inside its module
+call and a zero-width placeholder returned. Running inside that call is what makes the loss right where the head
+is sharded on its own (FSDP2's ``fully_shard(model.lm_head)``, tested; any framework that gathers a module's
+weight in hooks around its call): the hooks give the head its whole weight there, and the placeholder carries the
+loss so that the framework's backward hooks on the head's output fire too. An applied model holds itself only
+through weak references: it is freed by ``del`` as a stock one is. The loss is exactly transformers'
+``ForCausalLMLoss``: labels shifted left and padded with ``ignore_index`` (-100 unless given), or ``shift_labels``
+if given; ``"mean"`` over the non-ignored tokens,
 or ``sum / num_items_in_batch`` when ``num_items_in_batch`` is given (as the Trainer does under gradient
 accumulation). fp16/bf16 models compute the loss in fp32 with 16-bit matmuls, as stock upcasts the logits;
 fp64 models get an fp64 loss (stock rounds the logits to fp32 first).
@@ -96,7 +101,8 @@ except ImportError as _error:
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
 
-__all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied"]
+__all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied",
+           "AutoFusedModelForCausalLM"]
 
 NAME = "fusedlayers"
 
@@ -778,3 +784,27 @@ def is_applied(model: PreTrainedModel) -> dict[str, bool]:
     place on ``model`` (a layer kind counts as applied even where the model has no layer of that kind)."""
     state = model.__dict__.get(_STATE, {})
     return {part: part in state for part in _PARTS}
+
+
+class AutoFusedModelForCausalLM:
+    """transformers' ``AutoModelForCausalLM`` returning applied models:
+    ``AutoFusedModelForCausalLM.from_pretrained("meta-llama/Llama-3.2-1B", dtype=torch.bfloat16)`` is
+    ``apply(AutoModelForCausalLM.from_pretrained(...))``. Every argument is transformers'; the parts to fuse are
+    the keyword-only ``attention``, ``loss``, ``norm``, ``mlp`` and ``rotary`` (all True by default), as for
+    :func:`apply`."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, attention: bool = True, loss: bool = True,
+                        norm: bool = True, mlp: bool = True, rotary: bool = True, **kwargs) -> PreTrainedModel:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary)
+
+    @classmethod
+    def from_config(cls, config, *, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
+                    rotary: bool = True, **kwargs) -> PreTrainedModel:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary)
