@@ -37,7 +37,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusedlayers as fl  # noqa: E402
-from benchmarks.timing import report  # noqa: E402
+from benchmarks.timing import report, round_order  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -84,39 +84,54 @@ def sdpa_rows():
     return "## PyTorch SDPA: `activate_flash_attention_impl(\"fusedlayers\")`\n\n" + head + "\n" + "\n".join(rows)
 
 
-def llama(vocab: int, layers: int, window: int | None = None, seq: int = 8192):
-    """The Llama-style model; with ``window``, Mistral's architecture (the same layers, attention within a sliding
-    window of that many tokens)."""
+def llama(vocab: int, layers: int, window: int | None = None, seq: int = 8192, hidden: int = 2048,
+          intermediate: int = 5632, dtype: torch.dtype = DTYPE):
+    """The Llama-style model (16 heads, 4 KV heads); with ``window``, Mistral's architecture (the same layers,
+    attention within a sliding window of that many tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     config_cls, model_cls = (MistralConfig, MistralForCausalLM) if window else (LlamaConfig, LlamaForCausalLM)
     extra = {"sliding_window": window} if window else {}
-    config = config_cls(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=max(8192, seq),
-                        attn_implementation="sdpa", tie_word_embeddings=False, **extra)
+    config = config_cls(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                        num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab,
+                        max_position_embeddings=max(8192, seq), attn_implementation="sdpa", tie_word_embeddings=False,
+                        **extra)
     torch.manual_seed(0)
-    return model_cls(config).to("cuda", DTYPE)
+    return model_cls(config).to("cuda", dtype)
 
 
-def train_step(model, ids, position_ids=None):
-    # a training step keeps no KV cache; position_ids restarting at each document: padding-free packing
-    loss = model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
+def train_step(model, ids, position_ids=None, autocast: bool = False):
+    # a training step keeps no KV cache; position_ids restarting at each document: padding-free packing.
+    # autocast: fp32 master weights, bf16 compute (mixed-precision training as Trainer's bf16=True runs it)
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return loss
 
 
-def measure_step(model, ids, position_ids=None) -> tuple[float, float, float]:
+def measure_step(model, ids, position_ids=None, autocast: bool = False) -> tuple[float, float, float]:
     """(ms per step, peak GB beyond the weights, loss)."""
-    loss = train_step(model, ids, position_ids).item()
+    step = lambda: train_step(model, ids, position_ids, autocast)
+    loss = step().item()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    train_step(model, ids, position_ids)
+    step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 1e9
-    ms = do_bench(lambda: train_step(model, ids, position_ids), warmup=3, rep=30, return_mode="median")
+    ms = do_bench(step, warmup=3, rep=30, return_mode="median")
     return ms, peak, loss
+
+
+def liger(model):
+    """Liger-Kernel's patch of a Llama instance: RoPE, RMSNorm, SwiGLU and the fused linear cross-entropy. It also
+    replaces the class's forward (process-wide), so it runs last."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+    return model
 
 
 def packed_positions(batch: int, seq: int) -> torch.Tensor:
@@ -169,41 +184,69 @@ def _thunder_jit(model, with_ours: bool):
     return thunder.jit(model, executors=executors)
 
 
-def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None = None, packed: bool = False):
+def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None = None, packed: bool = False,
+            hidden: int = 2048, intermediate: int = 5632, master_fp32: bool = False, rounds: int = 1):
     from fusedlayers.integrations import transformers as flt
 
     vocab = 128256
-    stock = llama(vocab, layers, window, seq)
+    stock = llama(vocab, layers, window, seq, hidden, intermediate, torch.float32 if master_fp32 else DTYPE)
     n_params = sum(p.numel() for p in stock.parameters()) / 1e9
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     positions = packed_positions(batch, seq) if packed else None
-    variants = {  # name -> a function of a copy of the stock model
-        "fl apply (attention + linear CE)": lambda m: flt.apply(m, norm=False, mlp=False, rotary=False),
-        "fl apply (all: + RMSNorm, SwiGLU, rotary)": flt.apply,
+    parts = dict.fromkeys(("attention", "loss", "norm", "mlp", "rotary"), False)
+    variants = {  # name -> a function of a copy of the stock model; each part added to the one above
+        "fl apply (attention + linear CE)": lambda m: flt.apply(m, **{**parts, "attention": True, "loss": True}),
+        "fl apply (+ RMSNorm)": lambda m: flt.apply(m, **{**parts, "attention": True, "loss": True, "norm": True}),
+        "fl apply (+ SwiGLU)": lambda m: flt.apply(m, rotary=False),
+        "fl apply (all: + rotary)": flt.apply,
     }
     if thunder:
         variants["thunder.jit (default executors)"] = lambda m: _thunder_jit(m, False)
         variants["thunder.jit + fl_executor"] = lambda m: _thunder_jit(m, True)
-    results = {"stock (sdpa, HF loss)": measure_step(stock, ids, positions)}
+    models = {"stock (sdpa, HF loss)": stock}
     for name, make in variants.items():
-        torch.cuda.empty_cache()
         try:
-            results[name] = measure_step(make(copy.deepcopy(stock)), ids, positions)
+            models[name] = make(copy.deepcopy(stock))
         except Exception as e:  # one failing variant must not lose the others' numbers
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-            results[name] = None
-        print(name, results[name], flush=True)
-    base_ms, base_peak, base_loss = results["stock (sdpa, HF loss)"]
-    rows = [f"| {name} | {batch * seq / r[0] * 1e3:,.0f} | {r[0]:.1f} | {r[1]:.2f} | {base_ms / r[0]:.2f}x | "
-            f"{r[1] / base_peak:.2f}x | {r[2]:.4f} |" if r else f"| {name} | failed | | | | | |"
-            for name, r in results.items()]
-    head = ("| model | tokens/s | ms/step | peak GB (beyond weights) | speed vs stock | memory vs stock | loss |\n"
-            "| --- | --- | --- | --- | --- | --- | --- |")
+    results: dict[str, list] = {name: [] for name in models}
+
+    def run(name, model):
+        torch.cuda.empty_cache()
+        try:
+            results[name].append(measure_step(model, ids, positions, master_fp32))
+        except Exception as e:
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+        print(name, results[name][-1:], flush=True)
+
+    for round_ in range(rounds):  # interleaved rounds, each in a shuffled order
+        for name in round_order(models, round_):
+            run(name, models[name])
+    if not window and not thunder:  # Liger patches LlamaForCausalLM's forward for the whole process: last
+        name = "Liger-Kernel (RoPE, RMSNorm, SwiGLU, fused linear CE)"
+        results[name] = []
+        try:
+            model = liger(copy.deepcopy(stock))
+            for _ in range(rounds):
+                run(name, model)
+        except ImportError as e:
+            print(f"{name}: skipped ({e})", flush=True)
+            del results[name]
+    best = {name: min(r) if r else None for name, r in results.items()}  # the fastest round of each
+    base_ms, base_peak, _ = best["stock (sdpa, HF loss)"]
+    rows = [f"| {name} | {batch * seq / r[0] * 1e3:,.0f} | {r[0]:.1f} | {max(x[0] for x in results[name]):.1f} | "
+            f"{r[1]:.2f} | {base_ms / r[0]:.2f}x | {r[1] / base_peak:.2f}x | {r[2]:.4f} |"
+            if r else f"| {name} | failed | | | | | | |"
+            for name, r in best.items()]
+    head = ("| model | tokens/s | ms/step | slowest round ms | peak GB (beyond weights) | speed vs stock | "
+            "memory vs stock | loss |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     arch = f"MistralForCausalLM, sliding window {window}" if window else "LlamaForCausalLM"
     if packed:
         arch += ", documents of 64 to seq / 2 tokens packed without padding (position_ids)"
-    title = (f"## Hugging Face {arch} ({n_params:.2f}B parameters: {layers} layers, hidden 2048, 16 heads, "
-             f"4 KV heads, vocabulary {vocab}), bf16, batch {batch} x {seq}, forward + backward with labels")
+    precision = "fp32 master weights under bf16 autocast" if master_fp32 else "bf16"
+    title = (f"## Hugging Face {arch} ({n_params:.2f}B parameters: {layers} layers, hidden {hidden}, MLP "
+             f"{intermediate}, 16 heads, 4 KV heads, vocabulary {vocab}), {precision}, batch {batch} x {seq}, "
+             f"forward + backward with labels; the best of {rounds} interleaved round(s)")
     return title + "\n\n" + head + "\n" + "\n".join(rows)
 
 
@@ -258,6 +301,10 @@ def main():
                         "(position_ids restarting: stock SDPA reads the block mask, ours runs varlen)")
     parser.add_argument("--thunder", action="store_true", help="also the model under thunder.jit, with and without "
                         "our executor (needs lightning-thunder)")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--master-fp32", action="store_true", help="hf: fp32 weights, the step under bf16 autocast")
+    parser.add_argument("--rounds", type=int, default=1, help="hf: interleaved rounds; each row's best is reported")
     args = parser.parse_args()
     sections = [f"# Integrations benchmark\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, "
                 f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}; "
@@ -265,7 +312,8 @@ def main():
     if args.only in (None, "sdpa"):
         sections.append(sdpa_rows())
     if args.only in (None, "hf"):
-        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder, args.window, args.packed))
+        sections.append(hf_rows(args.batch, args.seq, args.layers, args.thunder, args.window, args.packed,
+                                args.hidden, args.intermediate, args.master_fp32, args.rounds))
     if args.only == "thunder" or (args.only is None and args.thunder):
         sections.append(thunder_rows(8, 1024))
     report("\n\n".join(sections) + "\n", args.out)
