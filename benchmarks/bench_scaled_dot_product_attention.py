@@ -1,7 +1,7 @@
 """Benchmark fl.scaled_dot_product_attention against torch SDPA's flash, cuDNN and efficient backends and
 FlexAttention (GPU).
 
-Matmul-bound: reports TFLOP/s with FLOPs counted as DESIGN.md says (forward 4*B*H*L*S*D, halved when
+Matmul-bound: reports TFLOP/s with FLOPs counted as docs/design.md says (forward 4*B*H*L*S*D, halved when
 causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory allocated by one
 forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 128, 256}, L = S in {1024, 2048, 4096,
 16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
@@ -13,7 +13,7 @@ forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 12
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
 candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
-FlashAttention's own package is not installed on the lent GPU, so SDPA's backends and FlexAttention are the peers.
+FlashAttention's own package is not installed on the GPU, so SDPA's backends and FlexAttention are the peers.
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 """
@@ -59,7 +59,7 @@ CANDIDATES = {
     ("dq", 128): [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2)],
 }
 # --sweep-at: more candidates at one causal shape: D = 64 (short sequences: smaller tiles balance better) and D = 256
-# (the table's weakest head dim: 0.42-0.79x SDPA's flash backend on an H100, session 4, with the first entries here).
+# (the table's weakest head dim: 0.42-0.79x SDPA's flash backend on an H100, 2026-11-25, with the first entries here).
 WIDE_CANDIDATES = {
     ("fwd", 64): [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3),
                   (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2)],
@@ -277,7 +277,7 @@ def device_tag() -> str:
 
 def best_of(rounds, b, h, length, d, causal):
     """Each implementation's (forward ms, forward+backward ms, peak MiB), the times the least over ``rounds``
-    interleaved rounds, each in a shuffled order (None where it never ran): the lent GPU hosts have slow phases, and a
+    interleaved rounds, each in a shuffled order (None where it never ran): the GPU hosts have slow phases, and a
     quarter-millisecond call timed once lands in one now and then (D64 L = 1024 read 217 TFLOP/s in one run, 377-379
     in four fresh samples)."""
     res = {}

@@ -1,6 +1,6 @@
 """Benchmark fl.varlen_attention, sliding windows and soft-capping against FlexAttention on the same masks (GPU).
 
-The masks SDPA cannot take (issue 25), one row of 16K tokens, H * D = 2048, bf16: packed documents of 64-4096
+The masks SDPA cannot take, one row of 16K tokens, H * D = 2048, bf16: packed documents of 64-4096
 tokens (fl.varlen_attention vs a document mask, and vs our dense causal kernel on the documents padded to the
 longest), sliding windows of 1024 and 4096 keys, and Gemma 2's soft-cap (50) causal and not. TFLOP/s count only the
 (query, key) pairs the mask keeps, so a kernel that computes masked-out blocks scores lower; our dense causal kernel

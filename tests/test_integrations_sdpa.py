@@ -1,8 +1,8 @@
 """fusedlayers.integrations.sdpa: our kernels as torch's flash-attention implementation.
 
 CPU (CI): the registration, activation and restore, and the aten-schema glue itself (the two functions that
-replace torch's flash forward/backward) run on the Triton interpreter against float64 attention. CUDA (lent
-GPU): an unmodified module's F.scaled_dot_product_attention runs our kernels, seen in the profiler and the
+replace torch's flash forward/backward) run on the Triton interpreter against float64 attention. CUDA (the `cuda`
+tests): an unmodified module's F.scaled_dot_product_attention runs our kernels, seen in the profiler and the
 call counter, with outputs and gradients as close to float64 as torch's own flash backend's.
 """
 
