@@ -3,8 +3,8 @@ FlexAttention (GPU).
 
 Matmul-bound: reports TFLOP/s with FLOPs counted as docs/design.md says (forward 4*B*H*L*S*D, halved when
 causal; forward+backward 3.5x the forward: backward 2.5x), and the peak memory allocated by one
-forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 128, 256}, L = S in {1024, 2048, 4096,
-16384}, batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
+forward+backward beyond the inputs. Shapes: bf16, D in {64, 128, 256}, L = S in {1024, 2048, 4096, 16384},
+batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench median, random data.
 
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
                                                             [--no-flex]
@@ -13,7 +13,8 @@ forward+backward beyond the inputs. Shapes (issues 3 and 26): bf16, D in {64, 12
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
 candidates on one causal shape only (gpt-small's: 16,12,1024,64) and prints the best, without the table.
-FlashAttention's own package is not installed on the GPU, so SDPA's backends and FlexAttention are the peers.
+FlashAttention's own package was not installed where the tables were measured, so SDPA's backends and FlexAttention
+are the peers.
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 """
@@ -46,7 +47,7 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
-OURS = ["fl", "fl-triton"]  # fl-triton: the Triton kernels everywhere (the Hopper ones off), today's kernels
+OURS = ["fl", "fl-triton"]  # fl-triton: the Triton kernels everywhere (the Hopper ones off)
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -277,7 +278,7 @@ def device_tag() -> str:
 
 def best_of(rounds, b, h, length, d, causal):
     """Each implementation's (forward ms, forward+backward ms, peak MiB), the times the least over ``rounds``
-    interleaved rounds, each in a shuffled order (None where it never ran): the GPU hosts have slow phases, and a
+    interleaved rounds, each in a shuffled order (None where it never ran): GPU hosts have slow phases, and a
     quarter-millisecond call timed once lands in one now and then (D64 L = 1024 read 217 TFLOP/s in one run, 377-379
     in four fresh samples)."""
     res = {}

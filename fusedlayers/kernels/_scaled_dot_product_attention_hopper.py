@@ -12,15 +12,16 @@ for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two progra
 backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
 products' register operands; a dQ program holds one query block and streams the key blocks, and runs first: it
-forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added
-in fp32 by ordered TMA reductions, five products a tile instead of seven, was deterministic but 0.51-0.95x of this,
-inline, with a writer partition or pipelined: h100-attention-experiments.md, the 2026-11-26 runs.)
+forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added in fp32 by ordered TMA
+reductions, five products a tile instead of seven, was deterministic but 0.51-0.95x of this, inline, with a writer
+partition or pipelined: h100-attention-experiments.md, the 2026-11-26 runs at 8c0abe0, 9c94282 and 6608e51.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+backward 1.00-1.54x. Against cuDNN
-(D 64/128, L >= 2048, H100, 2026-11-27, four shuffled rounds a row): forward 0.99-1.12x (every D64 row 1.00-1.12x;
-D128 2K not causal 0.99x), forward+backward 0.87-1.03x (the D64 rows 0.87-0.98x: this D64 backward runs at about 0.84x
-cuDNN's); each run since 2026-11-27 has had one or two rows a few percent under 1.0x / 0.9x, never the same ones.
+(D 64/128, L >= 2048, H100, 2026-11-27 at fbaeb58, four shuffled rounds a row): forward 0.99-1.12x (every D64 row
+1.00-1.12x; D128 2K not causal 0.99x), forward+backward 0.87-1.03x (the D64 rows 0.87-0.98x: this D64 backward runs at
+about 0.84x cuDNN's); each run since the one at e6a0c55 has had one or two rows a few percent under 1.0x / 0.9x, never
+the same ones.
 
 They cover fp16/bf16, head dims 64 and 128 (D = Dv; the forward also 256, whose backward is the Triton kernels'),
 no attn_mask or dropout, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim
@@ -102,7 +103,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, scal
 
 @functools.cache
 def _is_hopper(device: torch.device) -> bool:
-    """Whether ``device`` is an sm_90 GPU, asked once per device (torch's query costs 5 us a call on an H200's
+    """Whether ``device`` is an sm_90 GPU, asked once per device (torch's query costs 5 us a call on an H100
     host, and every attention call asked it twice)."""
     return torch.cuda.get_device_capability(device)[0] == 9
 
@@ -376,20 +377,21 @@ if gluon is not None:
 # of the shared memory traffic of 64-row programs); the producer hands its registers to the consumers (setmaxnreg).
 # Two consumers (232 registers each) run the intra-warpgroup overlap above; three (160 each, D64, FA3's
 # choice there) run one block at a time, S and P of one block live, and overlap only with each other: against two
-# with the overlap, 1.06-1.14x at D64 L = 2K-16K not causal (H100, 2026-11-26; three with the overlap spilled, 0.39x).
+# with the overlap, 1.06-1.14x at D64 L = 2K-16K not causal (H100, 2026-11-26, run 6608e51; three with the overlap
+# spilled, 0.39x).
 # Persistent programs (one per SM looping over tiles) load the next tile while the consumers finish this one.
-# (K/V ring depth, persistent, consumers, fewest keys) per (head dim, causal): the fastest of the variants in .gpu-style
+# (K/V ring depth, persistent, consumers, fewest keys) per (head dim, causal): the fastest of the variants in direct
 # A/Bs on an H200 and an H100 (bf16, B*L = 16384, H*D = 2048; benchmarks/results/h100-attention-experiments.md).
 # Causal programs are persistent too, each taking the tiles ``_causal_schedule`` deals it (every programs-th tile
 # left the long ones of each head group to the same programs: 0.74-0.91x of one program a tile at D128). Against one
-# program a tile (H100, 2026-11-26): D128 1.07x / 1.03x / 0.99x at L = 2K / 4K / 16K; D64 (two
+# program a tile (H100, 2026-11-26, run 654a0d8): D128 1.07x / 1.03x / 0.99x at L = 2K / 4K / 16K; D64 (two
 # consumers, 3-deep ring) 1.06x / 1.10x / 1.04x / 1.04x at 2K / 4K / 8K / 16K against the routing before (the forward
 # above below 8K keys), and three consumers with a 2-deep ring 1.00x / 1.07x / 1.07x / 1.11x over that
 # (unscheduled, three consumers had been 0.61-0.96x). At D64 the forward above keeps the calls
 # with fewer keys: not causal below 2K (1.00x at 1K and 2K in a direct A/B, 0.94-0.95x at 1K against the previous
 # benchmark tables on both cards), causal below 2K (128-key blocks mask more of the diagonal where a causal row has
 # few blocks).
-# D256 (2026-11-26, H100, forward TFLOP/s at L 1K / 2K / 4K / 16K against the Triton forward): two
+# D256 (H100, 2026-11-26, code at e5bb92e, forward TFLOP/s at L 1K / 2K / 4K / 16K against the Triton forward): two
 # consumers on 32-key blocks, persistent, not causal 2-deep ring 475 / 506 / 529 / 553 (Triton 363 / 410 / 432 / 432;
 # the forward above with 64 x 32 tiles 438 / 457 / 481 / 499), causal 3-deep 281 / 473 / 543 / 525 (2-deep 388 / 484
 # / 494 / 503; Triton 273 / 332 / 377 / 449; causal L = 1K is below MIN_FLOPS).
@@ -400,7 +402,7 @@ _WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, True, 3, 2048), 
 PERSISTENT_CAUSAL_MAX_KEYS = {64: float("inf"), 128: 8192, 256: float("inf")}
 # Three consumers were measured on L = S calls from 2K rows; on fewer query rows a 192-row tile leaves up to a third of
 # its rows empty (L = 1000: 13% more rows computed than with 128-row tiles, about their gain), so those keep two
-# consumers (the 2026-11-26 config, 3-deep ring).
+# consumers (7f9ca96's config, 3-deep ring).
 THREE_CONSUMERS_MIN_ROWS = 2048
 # Key block of the warp-specialized forward per head dim (D256: 64 KB of Q and 64 KB of O staging for two consumers
 # leave room for 32-key K/V blocks, 16 KB each, in a 2- or 3-deep ring).
@@ -416,7 +418,7 @@ ws_schedule = True  # persistent causal programs take their tiles from _causal_s
 # benchmark's documents of up to 2663 tokens 0.93x: short intervals waste more of 128-key blocks); D64 persistent from
 # 4096 keys, window 4096 1.04x (one program a tile: 1.01x; H200 1.03x), documents with a 4096 window 1.00x
 # (persistent programs are dealt tiles statically; at D64 window 2048 and documents below 4096 keys 0.97-1.03x).
-# D256 one program a tile at every width (H200, 2026-11-26, 16K tokens causal, H = 8): windows 1024 /
+# D256 one program a tile at every width (H200, 2026-11-26 at 1c2a027, 16K tokens causal, H = 8): windows 1024 /
 # 2048 / 4096 / 8192 forward 1.22x / 1.10x / 1.07x / 1.15x the Triton forward (persistent: 0.93-1.22x; the forward
 # above: 0.94-1.05x), forward+backward 1.02-1.03x.
 _WS_INTERVAL_CONFIGS = {64: (3, True, 2, 4096), 128: (2, False, 2, 2048), 256: (2, False, 2, 0)}
