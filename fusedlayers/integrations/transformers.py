@@ -413,8 +413,10 @@ def _fused_forward(model, inner, args, kwargs):
     except TypeError:
         return stock(*args, **kwargs)  # stock raises the error
     labels = bound.arguments.get("labels")
-    state = model.__dict__[_STATE]
-    if labels is None:
+    state = model.__dict__.get(_STATE, {})
+    # stock: without labels; after revert, when a forward installed on top of ours (TRL's trainers wrap the model's
+    # forward) still calls it; and where the call asks for TRL's own chunked LM-head loss (``fused_lm_head=True``)
+    if labels is None or "loss" not in state or kwargs.get("fused_lm_head"):
         return stock(*args, **kwargs)
     reason = _loss_fallback_reason(model, state)
     if reason is not None:
@@ -549,6 +551,9 @@ def _revert_loss(model: PreTrainedModel, state: dict) -> None:
         return
     inner = state.pop("loss")
     state.pop("loss_unsupported", None)
+    forward = model.__dict__.get("forward")
+    if not (isinstance(forward, _FusedForward) and forward.owner is model):
+        return  # a forward installed after ours stays; ours, which it calls, now passes every call to stock
     if inner is None:
         del model.forward
     else:
