@@ -1,0 +1,60 @@
+"""A fixed sample of the coverage sweep (tests/transformers_coverage.py): tiny models from shrunk default configs of
+diverse architectures, each applied with ``flt.apply`` and compared with the untouched model on the same batches
+(no padding and left padding): attention and loss fused (or the documented fallback where the architecture cannot
+be fused exactly), the layers we know to be swapped, and the loss and every gradient under tests/parity.py's rule
+against a float64 copy. The whole sweep: ``python -m tests.transformers_coverage --out ...``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason='needs transformers (pip install -e ".[dev]" or fusedlayers[transformers])')
+
+from tests.transformers_coverage import (  # noqa: E402
+    ATTENTION_REASONS,
+    LOSS_REASONS,
+    architectures,
+    parity_text,
+    run_arch,
+    summary_line,
+)
+
+# model_type -> (the integration's fallback reasons over both batches, fused layer kinds that must be among those
+# that ran). Fallbacks are compared exactly: a new one (or one that goes away) is a change to look at.
+SAMPLE = {
+    "llama": ({}, {"norm", "mlp", "rotary"}),
+    "qwen2": ({}, {"norm", "mlp", "rotary"}),
+    "qwen3": ({}, {"norm", "mlp", "rotary"}),  # its q/k norms are Llama's RMSNorm too
+    "mistral": ({}, {"norm", "mlp", "rotary"}),  # sliding window 8 < 12 tokens
+    "gemma": ({}, {"norm", "rotary"}),  # (1 + weight) RMSNorm; a GELU gate stays stock
+    "gemma2": ({"final_logit_softcapping": 2}, {"norm", "rotary"}),  # attention soft-cap fused; the loss cannot be
+    "gpt2": ({}, {"norm"}),  # nn.LayerNorm
+    "phi": ({}, {"norm", "rotary"}),  # partial rotary, lm_head with a bias
+    "olmo2": ({}, {"mlp"}),
+    "granite": ({"logits_postprocessed": 2}, {"norm", "mlp", "rotary"}),  # logits_scaling after lm_head
+    "starcoder2": ({}, {"norm", "rotary"}),
+    "mixtral": ({}, {"norm", "rotary"}),  # mixture of experts (experts stay stock)
+    "qwen3_next": ({}, {"norm", "mlp"}),  # hybrid: a linear-attention layer and a full-attention one
+    "gpt_oss": ({"sinks": 4}, set()),  # attention sinks: every attention call runs the model's eager function
+}
+
+
+@pytest.mark.parametrize("model_type", list(SAMPLE))
+def test_architecture_is_fused_with_parity(model_type):
+    fallbacks, layers = SAMPLE[model_type]
+    result = run_arch(model_type, architectures()[model_type], time_limit_s=None, candidates=False)
+    assert result.builds, result.build_error
+    assert not result.fused_error, f"{result.fused_error}\n{result.fused_error_trace}"
+    assert result.paddings == ["none", "left"], result.padding_errors
+    assert dict(result.fallbacks) == fallbacks, summary_line(result)
+    assert not result.apply_warnings, result.apply_warnings
+    assert result.attention_fused == (not set(ATTENTION_REASONS) & set(fallbacks)), summary_line(result)
+    assert result.loss_fused == (not set(LOSS_REASONS) & set(fallbacks)), summary_line(result)
+    assert result.loss_kind == "causal"
+    fused = {part for part in ("norm", "mlp", "rotary") if result.fused(part)}
+    assert layers <= fused, f"fused layers {sorted(fused)}, expected at least {sorted(layers)}"
+    assert result.reference.startswith("float64"), result.reference
+    bad = [c for c in result.parity if not c.ok]
+    assert result.parity_ok, f"{parity_text(result)}: " + "; ".join(
+        f"{c.padding} {c.name}: error {c.fused_err:.3e} > bound {c.bound:.3e}" for c in bad[:5])
