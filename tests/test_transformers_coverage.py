@@ -58,3 +58,27 @@ def test_architecture_is_fused_with_parity(model_type):
     bad = [c for c in result.parity if not c.ok]
     assert result.parity_ok, f"{parity_text(result)}: " + "; ".join(
         f"{c.padding} {c.name}: error {c.fused_err:.3e} > bound {c.bound:.3e}" for c in bad[:5])
+
+
+# Architectures where the integration must stay stock for a part, each found by the sweep computing something else
+# when that part was fused: the loss of decoders that compute their own cross-entropy of unshifted labels (BART) or
+# feed the head more positions than labels (ProphetNet), and NanoChat's rotary, whose apply_rotary_pos_emb is Llama's
+# but whose rotate_half turns the other way.
+STAYS_STOCK = {
+    "bart": ({"loss_function": 2}, "loss"),
+    "prophetnet": ({"loss_function": 2}, "loss"),
+    "nanochat": ({"final_logit_softcapping": 2}, "rotary"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(STAYS_STOCK))
+def test_parts_that_must_stay_stock(model_type):
+    fallbacks, part = STAYS_STOCK[model_type]
+    result = run_arch(model_type, architectures()[model_type], time_limit_s=None, candidates=False)
+    assert result.builds and not result.fused_error, result.fused_error
+    assert dict(result.fallbacks) == fallbacks, summary_line(result)
+    if part == "loss":
+        assert not result.loss_fused, summary_line(result)
+    else:
+        assert not result.fused(part), summary_line(result)
+    assert result.parity_ok, parity_text(result)

@@ -74,6 +74,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import sys
@@ -89,7 +90,7 @@ try:
     from transformers.activations import SiLUActivation
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.loss.loss_utils import ForCausalLMLoss
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
     from transformers.models.gemma import modeling_gemma as _gemma
     from transformers.models.llama import modeling_llama as _llama
     from transformers.utils import ModelOutput
@@ -105,6 +106,7 @@ __all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallback
            "AutoFusedModelForCausalLM"]
 
 NAME = "fusedlayers"
+EAGER_MASK_NAME = "fusedlayers_eager_mask"  # the same attention, for models that support only eager attention
 
 #: How many calls fell back to stock, per reason (attention: per attention call; loss: per forward).
 fallbacks: collections.Counter[str] = collections.Counter()
@@ -113,7 +115,6 @@ logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 _STATE = "_fusedlayers_transformers"  # the per-model record in model.__dict__
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_EAGER_ONLY = ("softcap", "sinks")  # what transformers' SDPA function refuses too: the model's eager one serves
 
 
 def _fallback(reason: str, detail: str) -> None:
@@ -133,6 +134,10 @@ def register() -> None:
     AttentionInterface.register(NAME, attention_forward)
     # class-level registration: transformers checks the global mapping, and builds no mask for unknown names
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    # models that support only eager attention build their own additions to the mask in eager's float form (e.g.
+    # DeepSeek-V4's block bias, cast to the mask's dtype): they get our attention under a name whose masks are eager's
+    AttentionInterface.register(EAGER_MASK_NAME, attention_forward)
+    AttentionMaskInterface.register(EAGER_MASK_NAME, eager_mask)
 
 
 def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tuple[str, str] | None:
@@ -183,17 +188,19 @@ MASK_BLOCK_ELEMENTS = 2**26  # about how many mask elements _read_mask_structure
 
 
 def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
-    """What a boolean mask from transformers encodes, where the op can run it without reading the mask: each query i
-    of a row keeps exactly the keys max(start of its document, i - w + 1) <= j <= i (causal within documents, w the
-    layer's ``sliding_window`` or unbounded; no padding). Documents are what padding-free packing (position_ids that
-    restart) gives; one per row is plain causal attention. Returns None (the mask is used as is), or (w or None,
-    cu_seqlens, max_seqlen) over the batch's rows flattened, with cu_seqlens None where every row is one document.
-    One read of the mask (GPU syncs) per mask tensor: the layers sharing it reuse the answer. Not while compiling
-    (reading values) and not for inference tensors (no version counter to tell a change by)."""
+    """What a mask from transformers (boolean, or eager's additive 0 / min) encodes, where the op can run it without
+    reading the mask: each query i of a row keeps exactly the keys max(start of its document, i - w + 1) <= j <= i
+    (causal within documents, w the layer's ``sliding_window`` or unbounded; no padding). Documents are what
+    padding-free packing (position_ids that restart) gives; one per row is plain causal attention. Returns None (the
+    mask is used as is), or (w or None, cu_seqlens, max_seqlen) over the batch's rows flattened, with cu_seqlens
+    None where every row is one document. One read of the mask (GPU syncs) per mask tensor: the layers sharing it
+    reuse the answer. Not while compiling (reading values) and not for inference tensors (no version counter to tell
+    a change by)."""
     w = kwargs.get("sliding_window")
     w = w if type(w) is int and 1 < w < query.shape[2] else None  # a window >= L: plain causal
     B, L = query.shape[0], query.shape[2]
-    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
+            or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())
             or attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (L, L)
             or key.shape[2] != L or torch.compiler.is_compiling() or attention_mask.is_inference()):
         return None
@@ -201,7 +208,11 @@ def _mask_structure(attention_mask, query, key, kwargs) -> tuple | None:
     for ref, version, key_, structure in recent:
         if ref() is attention_mask and version == attention_mask._version and key_ == (w, B):
             return structure
-    structure = _read_mask_structure(attention_mask, w, B)
+    keep, pure = attention_mask, True
+    if attention_mask.is_floating_point():  # eager's additive form: a bool mask only where it is 0 or the dtype's min
+        keep = attention_mask == 0
+        pure = bool((keep | (attention_mask <= torch.finfo(attention_mask.dtype).min)).all())
+    structure = _read_mask_structure(keep, w, B) if pure else None
     entry = (weakref.ref(attention_mask), attention_mask._version, (w, B), structure)
     _recent_masks[0] = [entry, *recent[:RECENT_MASKS - 1]]  # swapped whole: threads never see half of it
     return structure
@@ -254,6 +265,20 @@ def _eager_mask(module, query, key, attention_mask, is_causal):
     return attention_mask
 
 
+def _sparse_mask(module, query, key, attention_mask, is_causal, indices):
+    """The mask with only each query's selected keys kept (``indices``: (B, L, topk) key positions), as the eager and
+    SDPA paths of those models build it."""
+    B, L, S = query.shape[0], query.shape[2], key.shape[2]
+    keep = torch.zeros(B, L, S, dtype=torch.bool, device=query.device).scatter(-1, indices.long(), True)[:, None]
+    if attention_mask is None:
+        attention_mask = _eager_mask(module, query, key, None, is_causal)
+        if attention_mask is None:
+            return keep
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & keep
+    return attention_mask.masked_fill(~keep, torch.finfo(attention_mask.dtype).min)
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -269,13 +294,16 @@ def attention_forward(
     ``fl.scaled_dot_product_attention``: query (B, H, L, D), key/value (B, H_kv, S, D), mask bool (True = keep)
     or additive float broadcastable to (B, H, L, S), or None -> attention output (B, L, H, Dv) and None. See the
     module docstring for the fallbacks."""
+    indices = kwargs.pop("indices", None)
+    if indices is not None:  # DeepSeek-V3.2-style sparse attention: each query's top-k keys
+        attention_mask, is_causal = _sparse_mask(module, query, key, attention_mask, is_causal, indices), False
     reason = _attention_fallback_reason(query, key, value, attention_mask, kwargs)
     if reason is not None:
         _fallback(*reason)
         call_kwargs = dict(kwargs, dropout=dropout, scaling=scaling)
         if is_causal is not None:
             call_kwargs["is_causal"] = is_causal
-        if reason[0] in _EAGER_ONLY:
+        if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks")):  # SDPA refuses them
             mask = _eager_mask(module, query, key, attention_mask, is_causal)
             return _eager_attention_function(module)(module, query, key, value, mask, **call_kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **call_kwargs)
@@ -324,8 +352,9 @@ def _apply_attention(model: PreTrainedModel, state: dict) -> None:
     if "attention" in state:
         return
     previous = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _configs(model)]
-    model.set_attn_implementation(NAME)
-    if model.config._attn_implementation != NAME:
+    name = NAME if getattr(model, "_supports_sdpa", False) else EAGER_MASK_NAME
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
         for config, value in previous:
             config._attn_implementation_internal = value
         warnings.warn(f"fusedlayers: {type(model).__name__} cannot switch its attention implementation (it does not "
@@ -357,9 +386,17 @@ def _loss_fallback_reason(model, state) -> tuple[str, str] | None:
     # an nn.Linear subclass that keeps Linear's forward (FSDP2's FSDPLinear) computes what the fused loss does
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
         return "lm_head", f"the output embedding ({type(head).__name__}) is not a plain nn.Linear"
-    if model.loss_function is not ForCausalLMLoss:
-        return "loss_function", "the model's loss function is not transformers' ForCausalLMLoss"
+    if model.loss_function is not ForCausalLMLoss or not _forward_uses_loss_function(type(model)):
+        return "loss_function", "the model's loss is not transformers' ForCausalLMLoss"
     return None
+
+
+@functools.cache
+def _forward_uses_loss_function(cls) -> bool:
+    """Whether the class's forward computes its loss through ``self.loss_function`` (many encoder-decoder families'
+    decoders compute a cross-entropy of their own, on labels not shifted)."""
+    code = getattr(inspect.unwrap(cls.forward), "__code__", None)
+    return code is not None and "loss_function" in code.co_names
 
 
 def _var_keyword(sig: inspect.Signature) -> str | None:
@@ -381,9 +418,6 @@ def _fused_lm_loss(hidden, head: nn.Linear, labels, loss_kwargs: dict) -> torch.
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
     rows = hidden.reshape(-1, hidden.shape[-1])
-    if rows.shape[0] != shift_labels.shape[0]:
-        raise ValueError(f"fusedlayers: {rows.shape[0]} positions of hidden states (after logits_to_keep) but "
-                         f"{shift_labels.shape[0]} labels")
     reduction = "sum" if num_items_in_batch is not None else "mean"
     device_type = hidden.device.type
     # stock computes the loss in fp32 from 16-bit logits: autocast makes our op do the same (16-bit matmuls,
@@ -438,6 +472,8 @@ def _fused_forward(model, inner, args, kwargs):
 
     head = model.get_output_embeddings()
     captured, placeholders, losses = [], [], []
+    shift_labels = loss_kwargs.get("shift_labels")
+    n_labels = (labels if shift_labels is None else shift_labels).numel()
 
     def fused_head(hidden, *rest, **more):
         # The loss is computed here, as the head's forward inside its module call: where the head is sharded (FSDP2's
@@ -447,7 +483,7 @@ def _fused_forward(model, inner, args, kwargs):
         # on it fire as they would for stock logits. (A model found to change the logits after the head, on its
         # first call, discards this loss for the stock one.)
         captured.append(hidden)
-        if len(captured) == 1:
+        if len(captured) == 1 and hidden.numel() == hidden.shape[-1] * n_labels:
             losses.append(_fused_lm_loss(hidden, head, labels, loss_kwargs))
             placeholders.append(losses[0].new_zeros((*hidden.shape[:-1], 0)) + losses[0])  # not a view (FSDP2)
         else:
@@ -460,10 +496,10 @@ def _fused_forward(model, inner, args, kwargs):
     finally:
         del head.forward
 
-    intact = isinstance(output, ModelOutput) and len(captured) == 1
+    intact = isinstance(output, ModelOutput) and len(captured) == 1 and len(losses) == 1
     if not (intact and getattr(output, "logits", None) is placeholders[0]):
         reason = ("logits_postprocessed", f"{type(model).__name__} changes the logits after the output embedding (or "
-                  "does not call it exactly once), which the fused loss cannot reproduce")
+                  "does not call it exactly once on one position per label), which the fused loss cannot reproduce")
         state["loss_unsupported"] = reason
         if _holds_cache(list(args) + list(kwargs.values())):
             raise RuntimeError(f"fusedlayers: {reason[1]}; this call passed a cache that the first pass already "
@@ -706,7 +742,9 @@ def _apply_rotary(model: PreTrainedModel, state: dict) -> None:
         module = sys.modules.get(name)
         current = getattr(module, "apply_rotary_pos_emb", None)
         if name not in _rotary_patches:
-            if current is None or not _same_code(current, _stock_llama_rotary()):
+            rotate_half = getattr(module, "rotate_half", None)  # the function's global (NanoChat's turns the other way)
+            if (current is None or not _same_code(current, _stock_llama_rotary()) or rotate_half is None
+                    or not _same_code(rotate_half, _llama.rotate_half)):
                 continue
             _rotary_patches[name] = (current, weakref.WeakSet())
             module.apply_rotary_pos_emb = _fused_rotary(current)
