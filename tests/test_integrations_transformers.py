@@ -809,3 +809,20 @@ def test_auto_fused_model_from_pretrained_and_from_config(tmp_path, counters):
     assert counters["loss"] == 1 and counters["swiglu"] == 0
     built = flt.AutoFusedModelForCausalLM.from_config(model.config, loss=False)
     assert flt.is_applied(built) == {**dict.fromkeys(flt._PARTS, True), "loss": False}
+
+
+@needs_transformers
+def test_labels_for_positions_the_head_does_not_see_fall_back_for_that_call(counters):
+    """logits_to_keep with labels for every position: the head sees fewer positions than there are labels, so that call
+    runs the stock forward (which raises or not as stock does), and the next ordinary call is fused again."""
+    model, _ = _tiny("llama")
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch()
+    with pytest.raises(Exception) as fused_error:
+        model(**batch, logits_to_keep=4)
+    with pytest.raises(type(fused_error.value)):
+        stock(**batch, logits_to_keep=4)
+    assert flt.fallbacks == {"label_count": 1} and counters["loss"] == 0
+    torch.testing.assert_close(model(**batch).loss, stock(**batch).loss)
+    assert counters["loss"] == 1 and flt.fallbacks == {"label_count": 1}

@@ -496,15 +496,20 @@ def _fused_forward(model, inner, args, kwargs):
     finally:
         del head.forward
 
-    intact = isinstance(output, ModelOutput) and len(captured) == 1 and len(losses) == 1
+    intact = isinstance(output, ModelOutput) and len(captured) == 1
     if not (intact and getattr(output, "logits", None) is placeholders[0]):
         reason = ("logits_postprocessed", f"{type(model).__name__} changes the logits after the output embedding (or "
-                  "does not call it exactly once on one position per label), which the fused loss cannot reproduce")
-        state["loss_unsupported"] = reason
+                  "does not call it exactly once), which the fused loss cannot reproduce")
+        state["loss_unsupported"] = reason  # a property of the model: stock from now on
+    elif not losses:  # this call only (e.g. logits_to_keep with labels for every position)
+        reason = ("label_count", "the output embedding saw a number of positions other than the labels'")
+    else:
+        reason = None
+    if reason is not None:
         if _holds_cache(list(args) + list(kwargs.values())):
             raise RuntimeError(f"fusedlayers: {reason[1]}; this call passed a cache that the first pass already "
-                               "updated, so it cannot be recomputed. Call it again (the stock loss is used from now "
-                               "on for this model) or use apply(model, loss=False).")
+                               "updated, so it cannot be recomputed with the stock loss. Call it again or use "
+                               "apply(model, loss=False).")
         _fallback(*reason)
         return stock(*args, **kwargs)
 
