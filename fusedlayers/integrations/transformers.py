@@ -476,8 +476,8 @@ def _fused_forward(model, inner, args, kwargs):
     n_labels = (labels if shift_labels is None else shift_labels).numel()
 
     def fused_head(hidden, *rest, **more):
-        # The loss is computed here, as the head's forward inside its module call: where the head is sharded (FSDP2's
-        # fully_shard, DeepSpeed ZeRO-3), the framework's hooks around that call are what give it its whole weight.
+        # The loss is computed here, as the head's forward inside its module call: where the head is sharded on its
+        # own (FSDP2's fully_shard), the framework's hooks around that call are what give it its whole weight.
         # The placeholder standing for the logits carries the loss, and the loss returned adds the placeholder's
         # (empty) sum, so that a gradient reaches the head's output in backward and the framework's backward hooks
         # on it fire as they would for stock logits. (A model found to change the logits after the head, on its
