@@ -15,6 +15,7 @@ from fusedlayers.ops import cross_entropy as _cross_entropy_ops
 from fusedlayers.ops import fake_quantize as _fake_quantize_ops
 from fusedlayers.ops import layer_norm as _layer_norm_ops
 from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops
+from fusedlayers.ops import linear_log_probs as _linear_log_probs_ops
 from fusedlayers.ops import rms_norm as _rms_norm_ops
 from fusedlayers.ops import rotary_embedding as _rotary_embedding_ops
 from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
@@ -24,7 +25,7 @@ from fusedlayers.ops import varlen_attention as _varlen_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
-           "linear_cross_entropy", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
+           "linear_cross_entropy", "linear_log_probs", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
            "rms_norm", "layer_norm", "swiglu", "rotary_embedding", "varlen_attention"]
 
 
@@ -654,6 +655,112 @@ def linear_cross_entropy(
         grad and linear_bias is not None and linear_bias.requires_grad, grad and soft and target.requires_grad,
     )
     return loss.reshape(lead) if reduction == "none" else loss
+
+
+def linear_log_probs(
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None,
+    temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False, softcap: float | None = None,
+    logit_scale: float = 1.0, chunk_size: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probabilities of a linear head, ``log_softmax(F.linear(input, linear_weight, linear_bias) /
+    temperature, -1).gather(-1, target)``, without materialising the logits; with ``return_entropy`` also each
+    token's entropy ``-sum_v p_v log p_v`` of that distribution. Both are differentiable (an entropy that only gets
+    logged costs no backward work).
+
+    ``input`` (..., H), ``linear_weight`` (V, H), ``linear_bias`` None or (V,), ``target`` (...) class indices
+    (input's leading dims). Returns tensors of ``target``'s shape in fp32 (fp64 for fp64 input), 0 where the target
+    is ``ignore_index``. ``logit_scale`` multiplies the logits and ``softcap`` caps them (``softcap * tanh(z /
+    softcap)``, Gemma's final soft-cap) before the temperature, as model heads that scale their logits do. Under
+    autocast the products run in the autocast dtype (as F.linear), the row work in fp32. Rows go through a
+    (chunk_size, V) logits buffer (by default sized as :func:`linear_cross_entropy`'s); backward recomputes each
+    chunk's logits, because every token has its own upstream gradient. The post-training losses
+    (``fusedlayers.post_training``) know those gradients within the forward and skip the recomputation.
+    """
+    log_probs, entropy, _, _, _ = _linear_log_probs(input, linear_weight, target, linear_bias, temperature,
+                                                     ignore_index, softcap, logit_scale, chunk_size,
+                                                     return_entropy, False)
+    return (log_probs, entropy) if return_entropy else log_probs
+
+
+def linear_log_prob_statistics(
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None,
+    temperature: float = 1.0, ignore_index: int = -100, softcap: float | None = None, logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = ("log_probs",), chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`linear_log_probs` with the per-token statistics TRL's fused LM head logs: returns ``(log_probs,
+    entropy, log_sum_sq_probs, mean_logits, is_top1)``, each None unless named in ``outputs`` (log_probs always):
+    the entropy (differentiable), ``log(sum_v p_v^2)``, the mean of the scaled logits over the vocabulary, and
+    whether the target is the most likely token (first index on ties, as argmax) -- the last three without
+    gradient. All 0 (False) where the target is ``ignore_index``."""
+    unknown = set(outputs) - {"log_probs", "entropy", *_linear_log_probs_ops.STATS}
+    if unknown:
+        raise ValueError(f"outputs must name log_probs, entropy, {', '.join(_linear_log_probs_ops.STATS)}; got "
+                         f"{sorted(unknown)}")
+    want_stats = any(name in outputs for name in _linear_log_probs_ops.STATS)
+    log_probs, entropy, mean, log_sum_sq, top1 = _linear_log_probs(
+        input, linear_weight, target, linear_bias, temperature, ignore_index, softcap, logit_scale, chunk_size,
+        "entropy" in outputs, want_stats)
+    return (log_probs, entropy, log_sum_sq if "log_sum_sq_probs" in outputs else None,
+            mean if "mean_logits" in outputs else None, top1 if "is_top1" in outputs else None)
+
+
+def _linear_log_probs(input, linear_weight, target, linear_bias, temperature, ignore_index, softcap, logit_scale,
+                      chunk_size, want_entropy, want_stats):
+    v.check_float_tensor("input", input)
+    v.check_float_tensor("linear_weight", linear_weight)
+    v.check_index_tensor("target", target)
+    ignore_index = v.check_int("ignore_index", ignore_index)
+    temperature = v.check_number("temperature", temperature)
+    logit_scale = v.check_number("logit_scale", logit_scale)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and not v.check_number("softcap", softcap) > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if linear_weight.dim() != 2 or linear_weight.shape[0] == 0:
+        raise ValueError(f"linear_weight must be (V, H) with V >= 1, got shape {tuple(linear_weight.shape)}")
+    n_classes, hidden = linear_weight.shape
+    if input.dim() == 0 or input.shape[-1] != hidden:
+        raise ValueError(f"input of shape {tuple(input.shape)} must end with linear_weight's in_features = {hidden}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
+                         f"{tuple(target.shape)}")
+    if linear_bias is not None:
+        v.check_float_tensor("linear_bias", linear_bias)
+        if tuple(linear_bias.shape) != (n_classes,):
+            raise ValueError(f"linear_bias must have shape ({n_classes},), got {tuple(linear_bias.shape)}")
+    for name, t in (("linear_weight", linear_weight), ("target", target), ("linear_bias", linear_bias)):
+        if t is not None and t.device != input.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    compute_dtype = _head_compute_dtype(input, linear_weight, linear_bias)
+    if target.device.type == "cpu":
+        v.check_target_range("target", target, n_classes, ignore_index)
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.long()
+    lead = tuple(target.shape)
+    log_probs, entropy, _, stats = call(
+        _linear_log_probs_ops.linear_log_probs, input.reshape(-1, hidden), linear_weight,
+        target.reshape(-1), linear_bias, ignore_index, logit_scale, None if softcap is None else float(softcap),
+        temperature, chunk_size or 0, compute_dtype, want_entropy, want_stats)
+    entropy = entropy.reshape(lead) if want_entropy else None
+    if not want_stats:
+        return log_probs.reshape(lead), entropy, None, None, None
+    mean, log_sum_sq, top1 = (s.reshape(lead) for s in stats)
+    return log_probs.reshape(lead), entropy, mean, log_sum_sq, top1.bool()
+
+
+def _head_compute_dtype(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None) -> torch.dtype:
+    """The dtype of a head's products: the autocast dtype under autocast (as F.linear), else the input's, which the
+    weight and bias must share."""
+    device_type = input.device.type
+    tensors = [t for t in (input, linear_weight, linear_bias) if t is not None]
+    if torch.is_autocast_enabled(device_type) and all(t.dtype != torch.float64 for t in tensors):
+        return torch.get_autocast_dtype(device_type)
+    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+        if t is not None and t.dtype != input.dtype:
+            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+    return input.dtype
 
 
 def checkpoint(function, *args, preserve_rng_state: bool = True, policy="full", **kwargs):
