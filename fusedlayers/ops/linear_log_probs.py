@@ -140,10 +140,6 @@ def chunked_linear_log_probs(
             chunk_size = max(1, min(chunk_size, n_rows))
             bounds = list(range(0, n_rows, chunk_size)) + [n_rows]
         widest = max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0)
-        if n_rows == 0 or widest == 0:
-            if gw is not None:
-                gw.zero_()
-            return lp, entropy, lse, stats, gx, gw, gb
         w = linear_weight.to(compute_dtype)  # no copy when it already is (a cast once under autocast)
         b = linear_bias.to(compute_dtype) if linear_bias is not None else None
         buffer = torch.empty(widest, n_classes, dtype=compute_dtype, device=x.device)
@@ -151,7 +147,10 @@ def chunked_linear_log_probs(
         transform = (scale, softcap, temperature)
         first = True
         for start, stop in zip(bounds, bounds[1:], strict=False):
-            if stop == start:
+            ent_c = entropy[start:stop] if entropy is not None else None
+            if stop == start:  # a loss still sees its chunk (its groups may count without rows)
+                if fused:
+                    row_grads(start, stop, lp[start:stop], ent_c)
                 continue
             x_c, t_c = x[start:stop].to(compute_dtype), target[start:stop]
             logits = buffer[: stop - start]
@@ -159,7 +158,6 @@ def chunked_linear_log_probs(
                 torch.addmm(b, x_c, weight_t, out=logits)
             else:
                 torch.mm(x_c, weight_t, out=logits)
-            ent_c = entropy[start:stop] if entropy is not None else None
             if not backward_only:
                 _forward_rows(use_kernels, logits, t_c, ignore_index, transform, acc, lp[start:stop],
                               lse[:, start:stop], ent_c, stats[:, start:stop] if stats is not None else None)
