@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from fusedlayers import _validate as v
 from fusedlayers.backend import use_triton
 from fusedlayers.ops._eager import call, custom_op, register_autograd
 from fusedlayers.ops.linear_cross_entropy import _accumulator, _addmm_acc_, default_chunk_size, matmul_dtype
@@ -221,6 +222,8 @@ def linear_log_probs(
     scale: float, softcap: float | None, temperature: float, chunk_size: int, compute_dtype: torch.dtype,
     entropy: bool, stats: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if target.device.type == "cpu":  # in the op: it reads the values, which torch.compile cannot trace
+        v.check_target_range("target", target, linear_weight.shape[0], ignore_index)
     chunk = chunk_rows(chunk_size, input, linear_weight, compute_dtype)
     lp, ent, lse, st, *_ = chunked_linear_log_probs(input, linear_weight, target, linear_bias, ignore_index, scale,
                                                     softcap, temperature, chunk, compute_dtype, entropy, stats)
