@@ -31,8 +31,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fusedlayers import _validate as v
+from fusedlayers.backend import use_triton
 from fusedlayers.functional import _head_compute_dtype, linear_log_probs
-from fusedlayers.ops.linear_cross_entropy import default_chunk_size, matmul_dtype
+from fusedlayers.ops._eager import call
+from fusedlayers.ops.linear_cross_entropy import (
+    _accumulator,
+    _addmm_acc_,
+    _in_place_allowed,
+    _scale_in_place,
+    default_chunk_size,
+    linear_cross_entropy_scale_grad,
+    matmul_dtype,
+)
 from fusedlayers.ops.linear_log_probs import chunked_linear_log_probs
 
 __all__ = ["linear_dpo_loss", "linear_orpo_loss", "linear_cpo_loss", "linear_simpo_loss", "linear_kto_loss",
@@ -86,7 +96,8 @@ class _FusedHeadLoss(torch.autograd.Function):
     module's docstring) and scaled by the upstream gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, rows, chunk_loss, temperature, want_entropy, compute_dtype, needs):
+    def forward(ctx, x, weight, bias, target, rows, chunk_loss, temperature, want_entropy, compute_dtype, needs,
+                accumulation_dtype):
         total = []
 
         def row_grads(start, stop, lp, ent):
@@ -104,24 +115,45 @@ class _FusedHeadLoss(torch.autograd.Function):
 
         lp, ent, _, _, gx, gw, gb = chunked_linear_log_probs(
             x, weight, target, bias, -100, 1.0, None, temperature, 0, compute_dtype, want_entropy, False, row_grads,
-            *needs, bounds=rows.bounds)
-        ctx.save_for_backward(gx, gw, gb)
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+            *needs, bounds=rows.bounds, accumulation_dtype=accumulation_dtype)
+        _save_gradients(ctx, (gx, gw, gb), (x, weight, bias))
         loss = torch.stack(total).sum() if total else x.new_zeros((), dtype=lp.dtype)
         ctx.mark_non_differentiable(lp, *([ent] if ent is not None else []))
         return loss, lp, ent
 
     @staticmethod
     def backward(ctx, grad, *_):
-        grads = []
-        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
-            grads.append(None if g is None or dtype is None else (g.to(torch.promote_types(g.dtype, grad.dtype))
-                                                                   * grad).to(dtype))
-        return (*grads, None, None, None, None, None, None, None)
+        return (*_scaled_gradients(ctx, grad), *(None,) * 8)
+
+
+def _save_gradients(ctx, gradients, inputs) -> None:
+    ctx.save_for_backward(*gradients)
+    ctx.dtypes = tuple(t.dtype if t is not None else None for t in inputs)
+    ctx.consumed = False
+    ctx.allow_retain_graph = False
+
+
+def _scaled_gradients(ctx, grad: Tensor) -> list[Tensor | None]:
+    """The gradients computed in the forward times the loss's upstream gradient, in the inputs' dtypes: in place
+    where a buffer already has its gradient's dtype (the input's always; the weight's with a 16-bit accumulation or
+    fp32 master weights), so no second gradient-sized tensor exists; else cast and scaled in one pass."""
+    if ctx.consumed:
+        raise RuntimeError("a fused post-training loss was backpropagated twice; its gradients, computed in the "
+                           "forward, were scaled in place by the first backward. Compute the loss again instead.")
+    out = []
+    for buffer, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
+        if buffer is None or dtype is None:
+            out.append(None)
+        elif buffer.dtype == dtype and _in_place_allowed(ctx, grad) and type(buffer) is Tensor:
+            out.append(_scale_in_place(buffer, grad))
+            ctx.consumed = True
+        else:
+            out.append(call(linear_cross_entropy_scale_grad, buffer, grad, dtype))
+    return out
 
 
 def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Rows, temperature: float,
-                want_entropy: bool = False):
+                want_entropy: bool = False, accumulation_dtype: torch.dtype | None = None):
     """Runs ``chunk_loss`` over the chunks of ``rows`` through the head; returns (loss, per-row log-probs and
     entropy, detached)."""
     compute_dtype = _head_compute_dtype(input, linear_weight, linear_bias)
@@ -129,7 +161,7 @@ def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Ro
     needs = (grad and input.requires_grad, grad and linear_weight.requires_grad,
              grad and linear_bias is not None and linear_bias.requires_grad)
     return _FusedHeadLoss.apply(rows.x, linear_weight, linear_bias, rows.target, rows, chunk_loss, temperature,
-                                want_entropy, compute_dtype, needs)
+                                want_entropy, compute_dtype, needs, accumulation_dtype)
 
 
 def _acc(input: Tensor) -> torch.dtype:
@@ -269,6 +301,7 @@ def linear_dpo_loss(
     ref_linear_bias: Tensor | None = None, beta: float = 0.1, loss_type: str | list[str] = "sigmoid",
     loss_weights: list[float] | None = None, label_smoothing: float = 0.0, discopop_tau: float = 0.05,
     ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO (TRL's ``DPOTrainer``) on a linear head: the mean over pairs of the per-pair loss of ``loss_type`` (a
     name of :data:`DPO_LOSS_TYPES`, or a list combined with ``loss_weights``, as TRL's ``loss_type`` list) of
@@ -317,7 +350,8 @@ def linear_dpo_loss(
             loss = loss + w * per_pair.sum() / n_pairs
         return loss
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature)
+    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+                           accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(rows.n_seq)
     chosen, rejected = _pairs(seq)
     chosen_rewards = beta * (chosen - _pairs(ref_seq)[0])
@@ -331,7 +365,8 @@ def linear_dpo_loss(
 # ----------------------------------------------------------------------------- ORPO, CPO, SimPO
 
 
-def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature, chunk_size, pair_loss):
+def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature, chunk_size, pair_loss,
+                 accumulation_dtype):
     """A reference-free preference loss: ``pair_loss(chosen_seq, rejected_seq, chosen_len, rejected_len,
     chosen_token_sum)`` per chunk of pairs, summed; returns (loss, per-sequence sums, lengths) in pair order."""
     order = _pair_order(input.shape[0], input.device)
@@ -346,7 +381,8 @@ def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temper
         chosen_len, rejected_len = _pairs(lengths[first:last].to(seq.dtype))
         return pair_loss(chosen, rejected, chosen_len, rejected_len)
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature)
+    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+                           accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else lengths.new_zeros(rows.n_seq)
     return loss, seq, rows.lengths
 
@@ -359,6 +395,7 @@ def _log1mexp(x: Tensor) -> Tensor:
 def linear_orpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 0.1,
     ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ORPO (TRL's ``ORPOTrainer``): the chosen completions' NLL (mean over their tokens) minus ``beta`` times the
     mean log-sigmoid of the log odds ratio of the per-token average log-probs; no reference model.
@@ -383,7 +420,7 @@ def linear_orpo_loss(
         return nll - beta * ratio.sum() / n_pairs
 
     loss, seq, lengths = _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature,
-                                      chunk_size, pair_loss)
+                                      chunk_size, pair_loss, accumulation_dtype)
     avg = seq / lengths.to(seq.dtype)
     chosen_rewards, rejected_rewards = beta * avg[0::2], beta * avg[1::2]
     return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
@@ -398,6 +435,7 @@ def linear_cpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 0.1,
     loss_type: str = "sigmoid", label_smoothing: float = 0.0, cpo_alpha: float = 1.0, simpo_gamma: float = 0.5,
     alpha: float = 0.0, ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPO (TRL's ``CPOTrainer``): the mean preference loss of ``loss_type`` ("sigmoid", "hinge", "ipo", "simpo")
     on the policy's log-probs alone (sums; per-token averages for "ipo" and "simpo"), plus ``cpo_alpha`` times
@@ -440,7 +478,7 @@ def linear_cpo_loss(
         return losses.sum() / n_pairs + (cpo_alpha * nll if cpo_alpha != 0 else 0.0)
 
     loss, seq, lengths = _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature,
-                                      chunk_size, pair_loss)
+                                      chunk_size, pair_loss, accumulation_dtype)
     if average:
         seq = seq / lengths.to(seq.dtype)
     chosen_r, rejected_r = rewards(seq[0::2], seq[1::2])
@@ -455,13 +493,15 @@ def linear_simpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 2.0,
     simpo_gamma: float = 0.5, label_smoothing: float = 0.0, cpo_alpha: float = 0.0, ignore_index: int = -100,
     temperature: float = 1.0, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SimPO, as TRL runs it (``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``): ``-log sigmoid(beta *
     (avg log pi(chosen) - avg log pi(rejected)) - simpo_gamma)``, averaged over pairs; metrics as
     :func:`linear_cpo_loss`."""
     return linear_cpo_loss(input, linear_weight, target, linear_bias=linear_bias, beta=beta, loss_type="simpo",
                            label_smoothing=label_smoothing, cpo_alpha=cpo_alpha, simpo_gamma=simpo_gamma,
-                           ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size)
+                           ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
+                           accumulation_dtype=accumulation_dtype)
 
 
 # ----------------------------------------------------------------------------- KTO
@@ -473,7 +513,7 @@ def linear_kto_loss(
     ref_linear_bias: Tensor | None = None, kl_log_probs: Tensor | None = None,
     ref_kl_log_probs: Tensor | None = None, beta: float = 0.1, desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0, loss_type: str = "kto", ignore_index: int = -100, temperature: float = 1.0,
-    chunk_size: int | None = None,
+    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KTO (TRL's ``KTOTrainer``): unpaired completions, ``label`` (S,) True for desirable. Per sequence, with the
     log-ratio r = log pi - log pi_ref (sums over the completion) and the reference point z: desirable ``1 -
@@ -522,7 +562,8 @@ def linear_kto_loss(
             losses = torch.where(label[first:last], 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio))
         return (weights[first:last].to(seq.dtype) * losses).sum() / n_seq
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature)
+    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+                           accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(n_seq)
     rewards = beta * (seq - ref_seq)
     return loss, {"chosen_rewards": rewards[label], "rejected_rewards": rewards[~label], "kl": kl, "logps": seq}
@@ -538,7 +579,7 @@ def linear_grpo_loss(
     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None, loss_type: str = "dapo",
     importance_sampling_level: str = "token", max_completion_length: int | None = None,
     num_items_in_batch: int | Tensor | None = None, temperature: float = 1.0, ignore_index: int = -100,
-    chunk_size: int | None = None,
+    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's policy loss (TRL's ``GRPOTrainer._compute_loss``) on a linear head. Per completion token, with the
     ratio ``c = exp(log pi - old_log_probs)`` (``importance_sampling_level="sequence"``: exp of the sequence's
@@ -622,7 +663,8 @@ def linear_grpo_loss(
         return per_token.sum() / normalizer.to(lp.dtype)
 
     loss, _, entropy = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
-                                   want_entropy=True)
+                                   want_entropy=True,
+                           accumulation_dtype=accumulation_dtype)
     low = torch.cat(logs["low"]).float() if logs["low"] else lengths.new_zeros(0)
     high = torch.cat(logs["high"]).float() if logs["high"] else lengths.new_zeros(0)
     metrics = {"clip_ratio_low": low.mean() if low.numel() else low.new_zeros(()),
@@ -661,10 +703,8 @@ class _FusedJSD(torch.autograd.Function):
     pass (the teacher gets none)."""
 
     @staticmethod
-    def forward(ctx, xs, ws, bs, xt, wt, bt, beta, temperature, scale, chunk_size, compute_dtype, needs):
-        from fusedlayers.backend import use_triton
-        from fusedlayers.ops.linear_cross_entropy import _accumulator, _addmm_acc_
-
+    def forward(ctx, xs, ws, bs, xt, wt, bt, beta, temperature, scale, chunk_size, compute_dtype, needs,
+                accumulation_dtype):
         with torch.autocast(xs.device.type, enabled=False):
             acc = _accumulator(compute_dtype)
             compute_dtype = matmul_dtype(compute_dtype, xs.device)
@@ -672,7 +712,7 @@ class _FusedJSD(torch.autograd.Function):
             n_rows, vocab = xs.shape[0], ws.shape[0]
             loss_rows = torch.zeros(n_rows, dtype=acc, device=xs.device)
             gx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if needs[0] else None
-            gw = torch.zeros(ws.shape, dtype=acc, device=xs.device) if needs[1] else None
+            gw = torch.zeros(ws.shape, dtype=accumulation_dtype or acc, device=xs.device) if needs[1] else None
             gb = torch.zeros(vocab, dtype=acc, device=xs.device) if needs[2] and bs is not None else None
             ws_c, wt_c = ws.to(compute_dtype), wt.to(compute_dtype)
             bs_c = bs.to(compute_dtype) if bs is not None else None
@@ -701,23 +741,20 @@ class _FusedJSD(torch.autograd.Function):
                     _addmm_acc_(gw, s.t(), xs_c, False)
                 if gb is not None:
                     gb += s.sum(0, dtype=acc)
-        ctx.save_for_backward(gx, gw, gb)
-        ctx.dtypes = (xs.dtype, ws.dtype, bs.dtype if bs is not None else None)
+        _save_gradients(ctx, (gx, gw, gb), (xs, ws, bs))
+        ctx.mark_non_differentiable(loss_rows)
         return loss_rows.sum() * scale, loss_rows
 
     @staticmethod
     def backward(ctx, grad, _):
-        grads = [None if g is None or dtype is None else (g.to(torch.promote_types(g.dtype, grad.dtype))
-                                                          * grad).to(dtype)
-                 for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
-        return grads[0], grads[1], grads[2], *(None,) * 9
+        return (*_scaled_gradients(ctx, grad), *(None,) * 10)
 
 
 def linear_generalized_jsd_loss(
     student_input: Tensor, student_weight: Tensor, teacher_input: Tensor, teacher_weight: Tensor,
     target: Tensor | None = None, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
     reduction: str = "batchmean", num_items_in_batch: int | Tensor | None = None, student_bias: Tensor | None = None,
-    teacher_bias: Tensor | None = None, chunk_size: int | None = None,
+    teacher_bias: Tensor | None = None, chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Generalized JSD distillation loss (TRL's ``GKDTrainer.generalized_jsd_loss``) between a student head
     ``F.linear(student_input, student_weight, student_bias)`` and a teacher head on its own hidden states (its
@@ -774,7 +811,7 @@ def linear_generalized_jsd_loss(
     chunk = chunk_size or default_chunk_size(n_tokens, vocab, matmul_dtype(compute_dtype, xs.device), xs.device)
     loss, jsd = _FusedJSD.apply(xs, student_weight, student_bias, xt.detach(), teacher_weight.detach(),
                                 teacher_bias.detach() if teacher_bias is not None else None, beta, temperature,
-                                1.0 / denominator, chunk, compute_dtype, needs)
+                                1.0 / denominator, chunk, compute_dtype, needs, accumulation_dtype)
     return loss, {"jsd": jsd.detach()}
 
 

@@ -104,7 +104,7 @@ def chunked_linear_log_probs(
     softcap: float | None, temperature: float, chunk_size: int, compute_dtype: torch.dtype, want_entropy: bool,
     want_stats: bool, row_grads: RowGrads | tuple[Tensor | None, Tensor | None] | None = None,
     need_gx: bool = False, need_gw: bool = False, need_gb: bool = False, lse_in: Tensor | None = None,
-    entropy_in: Tensor | None = None, bounds: list[int] | None = None,
+    entropy_in: Tensor | None = None, bounds: list[int] | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """The loop over row chunks shared by the ops here and the fused losses.
 
@@ -118,7 +118,9 @@ def chunked_linear_log_probs(
       same pass (three products in all, as linear_cross_entropy's). ``bounds`` (optional) are the chunk
       boundaries, e.g. whole sequences for a loss of sequences.
 
-    gx in the input's dtype, gw and gb in fp32 (fp64 for fp64). Runs with autocast off: the dtypes are chosen.
+    gx in the input's dtype, gw in ``accumulation_dtype`` (default fp32, fp64 for fp64: the weight's own 16-bit dtype
+    saves the accumulator and its final cast, at a rounding per chunk), gb in fp32 (fp64). Runs with autocast off:
+    the dtypes are chosen.
     """
     with torch.autocast(x.device.type, enabled=False):
         n_rows, n_classes = x.shape[0], linear_weight.shape[0]
@@ -135,7 +137,8 @@ def chunked_linear_log_probs(
         gx = gw = gb = None
         if row_grads is not None:
             gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
-            gw = torch.empty(linear_weight.shape, dtype=acc, device=x.device) if need_gw else None
+            gw_dtype = accumulation_dtype or acc
+            gw = torch.empty(linear_weight.shape, dtype=gw_dtype, device=x.device) if need_gw else None
             gb = torch.zeros(n_classes, dtype=acc, device=x.device) if need_gb and linear_bias is not None else None
         if bounds is None:
             chunk_size = max(1, min(chunk_size, n_rows))
