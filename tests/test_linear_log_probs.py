@@ -60,7 +60,7 @@ def _check(x, w, b, t, chunk_size=None, **kw):
     for name, f, s, r in zip(("log_probs", "entropy"), (lp, ent), stock, ref, strict=True):
         assert f.shape == t.shape
         assert_parity(f, s, r, name)
-    g = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    g = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.device) for i in (1, 2)]
     torch.autograd.backward((lp, ent), [v.to(lp.dtype) for v in g])
     torch.autograd.backward(stock, [v.to(stock[0].dtype) for v in g])
     torch.autograd.backward(ref, [v.double() for v in g])
