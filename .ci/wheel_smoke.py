@@ -127,6 +127,32 @@ def _():
     same_as(lambda a: module(a, target), lambda a: F.cross_entropy(module.linear(a), target), h)
 
 
+@check("linear_log_probs")
+def _():
+    h, w, target = torch.randn(12, 16), torch.randn(50, 16), torch.randint(0, 50, (12,))
+    target[2] = -100
+
+    def stock(a, b):
+        log_p = F.linear(a, b).div(0.7).log_softmax(-1)
+        keep = target != -100
+        lp = log_p.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).where(keep, 0)
+        return lp, (-(log_p.exp() * log_p).sum(-1)).where(keep, 0)
+
+    same_as(lambda a, b: fl.linear_log_probs(a, b, target, temperature=0.7, return_entropy=True, chunk_size=5),
+            stock, h, w)
+    from fusedlayers import post_training  # the losses on top: torch only as well
+
+    h2 = torch.randn(4, 3, 16)
+    t2 = torch.randint(0, 50, (4, 3))
+    ref = torch.randn(4)
+
+    def dpo_stock(a, b):
+        seq = F.linear(a, b).log_softmax(-1).gather(-1, t2[..., None]).squeeze(-1).sum(-1) - ref
+        return -F.logsigmoid(0.1 * (seq[:2] - seq[2:])).mean()
+
+    same_as(lambda a, b: post_training.linear_dpo_loss(a, b, t2, ref_log_probs=ref)[0], dpo_stock, h2, w)
+
+
 @check("fake_quantize", "fake_quantize_dynamic")
 def _():
     scale, zero = torch.rand(6) / 20 + 0.01, torch.randint(-3, 3, (6,), dtype=torch.int32)
