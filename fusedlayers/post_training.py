@@ -58,6 +58,7 @@ __all__ = ["linear_dpo_loss", "linear_orpo_loss", "linear_cpo_loss", "linear_sim
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop", "sft", "sigmoid_norm")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo")
+JSD_BUFFER_BYTES = 512 * 2**20
 
 
 # ----------------------------------------------------------------------------- the fused head pass
@@ -813,7 +814,9 @@ def linear_generalized_jsd_loss(
     grad = torch.is_grad_enabled()
     needs = (grad and student_input.requires_grad, grad and student_weight.requires_grad,
              grad and student_bias is not None and student_bias.requires_grad)
-    chunk = chunk_size or default_chunk_size(n_tokens, vocab, matmul_dtype(compute_dtype, xs.device), xs.device)
+    # two logits buffers (student, teacher): half the usual budget each
+    chunk = chunk_size or default_chunk_size(n_tokens, vocab, matmul_dtype(compute_dtype, xs.device), xs.device,
+                                             JSD_BUFFER_BYTES)
     loss, jsd = _FusedJSD.apply(xs, student_weight, student_bias, xt.detach(), teacher_weight.detach(),
                                 teacher_bias.detach() if teacher_bias is not None else None, beta, temperature,
                                 1.0 / denominator, chunk, compute_dtype, needs, accumulation_dtype)
