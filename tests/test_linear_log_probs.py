@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import fusedlayers as fl
-from tests.parity import assert_parity
+from tests.parity import assert_parity, loss_floor
 
 BACKENDS = ["reference", "triton"]
 
@@ -59,7 +59,8 @@ def _check(x, w, b, t, chunk_size=None, **kw):
     ref = stock_log_probs(ref_in[0], ref_in[1], t, bias(ref_in), **kw)
     for name, f, s, r in zip(("log_probs", "entropy"), (lp, ent), stock, ref, strict=True):
         assert f.shape == t.shape
-        assert_parity(f, s, r, name)
+        # each value is a difference of numbers as large as the logsumexp: known to a rounding of that size
+        assert_parity(f, s, r, name, floor=loss_floor(f, r))
     g = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.device) for i in (1, 2)]
     torch.autograd.backward((lp, ent), [v.to(lp.dtype) for v in g])
     torch.autograd.backward(stock, [v.to(stock[0].dtype) for v in g])
