@@ -74,6 +74,7 @@ class _Rows:
         if order is not None:  # reorder sequences so that a group is consecutive (a gather, differentiable)
             input, target = input[order], target[order]
         valid = target != ignore_index
+        self.order, self.valid = order, valid
         self.lengths = valid.sum(1)
         self.x = input[valid]
         self.target = target[valid]
@@ -91,6 +92,11 @@ class _Rows:
         self.seq_bounds.append(self.n_seq)
         self.bounds = [row_start[s] for s in self.seq_bounds]
 
+    def tokens(self, values: Tensor) -> Tensor:
+        """Per-row values as (S, T), in the caller's sequence order, 0 at the ignored tokens."""
+        out = values.new_zeros(self.valid.shape).masked_scatter(self.valid, values)
+        return out if self.order is None else out.new_empty(out.shape).index_copy_(0, self.order, out)
+
     def seq_sums(self, values: Tensor, start: int, stop: int, first: int, last: int) -> Tensor:
         """Per-sequence sums of the values of rows [start, stop), which are those of sequences [first, last)."""
         return values.new_zeros(last - first).index_add(0, self.seq[start:stop] - first, values)
@@ -102,8 +108,8 @@ class _FusedHeadLoss(torch.autograd.Function):
     module's docstring) and scaled by the upstream gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, rows, chunk_loss, temperature, want_entropy, compute_dtype, needs,
-                accumulation_dtype):
+    def forward(ctx, x, weight, bias, target, rows, chunk_loss, temperature, want_entropy, want_stats, compute_dtype,
+                needs, accumulation_dtype):
         total = []
 
         def row_grads(start, stop, lp, ent):
@@ -119,17 +125,17 @@ class _FusedHeadLoss(torch.autograd.Function):
                 grads = torch.autograd.grad(loss, leaves, allow_unused=True)
             return grads[0], (grads[1] if ent is not None else None)
 
-        lp, ent, _, _, gx, gw, gb = chunked_linear_log_probs(
-            x, weight, target, bias, -100, 1.0, None, temperature, 0, compute_dtype, want_entropy, False, row_grads,
-            *needs, bounds=rows.bounds, accumulation_dtype=accumulation_dtype or weight.dtype)
+        lp, ent, _, stats, gx, gw, gb = chunked_linear_log_probs(
+            x, weight, target, bias, -100, 1.0, None, temperature, 0, compute_dtype, want_entropy, want_stats,
+            row_grads, *needs, bounds=rows.bounds, accumulation_dtype=accumulation_dtype or weight.dtype)
         _save_gradients(ctx, (gx, gw, gb), (x, weight, bias))
         loss = torch.stack(total).sum() if total else x.new_zeros((), dtype=lp.dtype)
-        ctx.mark_non_differentiable(lp, *([ent] if ent is not None else []))
-        return loss, lp, ent
+        ctx.mark_non_differentiable(*(t for t in (lp, ent, stats) if t is not None))
+        return loss, lp, ent, stats
 
     @staticmethod
     def backward(ctx, grad, *_):
-        return (*_scaled_gradients(ctx, grad), *(None,) * 8)
+        return (*_scaled_gradients(ctx, grad), *(None,) * 9)
 
 
 def _save_gradients(ctx, gradients, inputs) -> None:
@@ -159,15 +165,15 @@ def _scaled_gradients(ctx, grad: Tensor) -> list[Tensor | None]:
 
 
 def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Rows, temperature: float,
-                want_entropy: bool = False, accumulation_dtype: torch.dtype | None = None):
-    """Runs ``chunk_loss`` over the chunks of ``rows`` through the head; returns (loss, per-row log-probs and
-    entropy, detached)."""
+                want_entropy: bool = False, accumulation_dtype: torch.dtype | None = None, want_stats: bool = False):
+    """Runs ``chunk_loss`` over the chunks of ``rows`` through the head; returns (loss, per-row log-probs, entropy
+    and statistics (mean logit, log sum p^2, is-argmax), detached; the last two None unless asked for)."""
     compute_dtype = _head_compute_dtype(input, linear_weight, linear_bias)
     grad = torch.is_grad_enabled()
     needs = (grad and input.requires_grad, grad and linear_weight.requires_grad,
              grad and linear_bias is not None and linear_bias.requires_grad)
     return _FusedHeadLoss.apply(rows.x, linear_weight, linear_bias, rows.target, rows, chunk_loss, temperature,
-                                want_entropy, compute_dtype, needs, accumulation_dtype)
+                                want_entropy, want_stats, compute_dtype, needs, accumulation_dtype)
 
 
 def _acc(input: Tensor) -> torch.dtype:
@@ -307,7 +313,7 @@ def linear_dpo_loss(
     ref_linear_bias: Tensor | None = None, beta: float = 0.1, loss_type: str | list[str] = "sigmoid",
     loss_weights: list[float] | None = None, label_smoothing: float = 0.0, discopop_tau: float = 0.05,
     ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
-    accumulation_dtype: torch.dtype | None = None,
+    accumulation_dtype: torch.dtype | None = None, token_statistics: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO (TRL's ``DPOTrainer``) on a linear head: the mean over pairs of the per-pair loss of ``loss_type`` (a
     name of :data:`DPO_LOSS_TYPES`, or a list combined with ``loss_weights``, as TRL's ``loss_type`` list) of
@@ -319,7 +325,8 @@ def linear_dpo_loss(
     "exo_pair" types' epsilon, and conservative DPO for "sigmoid" (TRL's sigmoid is its 0 case).
 
     Metrics (per pair): chosen_rewards, rejected_rewards (beta x log-ratio), reward_accuracies, reward_margins,
-    chosen_logps, rejected_logps.
+    chosen_logps, rejected_logps; with ``token_statistics`` also the per-token values DPOTrainer logs, (S, T):
+    entropy, mean_logits, is_top1 (computed in the same pass).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
     _check_reference(ref_input, ref_linear_weight, ref_log_probs, input, (input.shape[0],))
@@ -356,16 +363,25 @@ def linear_dpo_loss(
             loss = loss + w * per_pair.sum() / n_pairs
         return loss
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
-                           accumulation_dtype=accumulation_dtype)
+    loss, _, entropy, stats = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+                                          want_entropy=token_statistics, accumulation_dtype=accumulation_dtype,
+                                          want_stats=token_statistics)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(rows.n_seq)
     chosen, rejected = _pairs(seq)
     chosen_rewards = beta * (chosen - _pairs(ref_seq)[0])
     rejected_rewards = beta * (rejected - _pairs(ref_seq)[1])
-    return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
-                  "reward_accuracies": (chosen_rewards > rejected_rewards).float(),
-                  "reward_margins": chosen_rewards - rejected_rewards, "chosen_logps": chosen,
-                  "rejected_logps": rejected}
+    metrics = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+               "reward_accuracies": (chosen_rewards > rejected_rewards).float(),
+               "reward_margins": chosen_rewards - rejected_rewards, "chosen_logps": chosen, "rejected_logps": rejected}
+    if token_statistics:
+        metrics.update(_token_statistics(rows, entropy, stats))
+    return loss, metrics
+
+
+def _token_statistics(rows: _Rows, entropy: Tensor, stats: Tensor) -> dict[str, Tensor]:
+    """The per-token values TRL's trainers log, (S, T) in the caller's order, 0 (False) at ignored tokens."""
+    return {"entropy": rows.tokens(entropy), "mean_logits": rows.tokens(stats[0]),
+            "is_top1": rows.tokens(stats[2]).bool()}
 
 
 # ----------------------------------------------------------------------------- ORPO, CPO, SimPO
@@ -387,7 +403,7 @@ def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temper
         chosen_len, rejected_len = _pairs(lengths[first:last].to(seq.dtype))
         return pair_loss(chosen, rejected, chosen_len, rejected_len)
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
                            accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else lengths.new_zeros(rows.n_seq)
     return loss, seq, rows.lengths
@@ -568,7 +584,7 @@ def linear_kto_loss(
             losses = torch.where(label[first:last], 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio))
         return (weights[first:last].to(seq.dtype) * losses).sum() / n_seq
 
-    loss, _, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
                            accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(n_seq)
     rewards = beta * (seq - ref_seq)
@@ -668,7 +684,7 @@ def linear_grpo_loss(
             return per_seq.sum() / n_seq
         return per_token.sum() / normalizer.to(lp.dtype)
 
-    loss, _, entropy = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, _, entropy, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
                                    want_entropy=True,
                            accumulation_dtype=accumulation_dtype)
     low = torch.cat(logs["low"]).float() if logs["low"] else lengths.new_zeros(0)
