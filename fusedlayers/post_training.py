@@ -257,9 +257,8 @@ def _dpo_pair_losses(loss_type: str, beta: float, label_smoothing: float, discop
     """Per-pair loss of one of DPO's loss types, from the pairs' log-ratios (policy - reference, summed over the
     completion) -- DPOTrainer._compute_loss, reverse-KL f-divergence."""
     delta = chosen_lr - rejected_lr
-    if loss_type == "sigmoid":  # label smoothing: conservative DPO (cDPO); TRL's sigmoid is the 0 case
-        return (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
-                - F.logsigmoid(-beta * delta) * label_smoothing)
+    if loss_type == "sigmoid":  # TRL 1.16's sigmoid reads no label smoothing ("robust" is the smoothed one)
+        return -F.logsigmoid(beta * delta)
     if loss_type == "hinge":
         return torch.relu(1 - beta * delta)
     if loss_type == "ipo":  # per-token averages (TRL normalises by the completion length)
@@ -322,7 +321,7 @@ def linear_dpo_loss(
     The reference is ``ref_log_probs`` (S,) (per-sequence sums, TRL's ``ref_chosen_logps`` then
     ``ref_rejected_logps``) or its own hidden states ``ref_input`` (S, T, H) and head ``ref_linear_weight`` /
     ``ref_linear_bias`` (computed without gradient, one product). ``label_smoothing``: the "robust" and
-    "exo_pair" types' epsilon, and conservative DPO for "sigmoid" (TRL's sigmoid is its 0 case).
+    "exo_pair" types' epsilon (TRL 1.16's "sigmoid" reads none).
 
     Metrics (per pair): chosen_rewards, rejected_rewards (beta x log-ratio), reward_accuracies, reward_margins,
     chosen_logps, rejected_logps; with ``token_statistics`` also the per-token values DPOTrainer logs, (S, T):
@@ -415,12 +414,16 @@ def _log1mexp(x: Tensor) -> Tensor:
 
 
 def linear_orpo_loss(
-    input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 0.1,
-    ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
-    accumulation_dtype: torch.dtype | None = None,
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, nll_target: Tensor | None = None,
+    linear_bias: Tensor | None = None, beta: float = 0.1, ignore_index: int = -100, temperature: float = 1.0,
+    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """ORPO (TRL's ``ORPOTrainer``): the chosen completions' NLL (mean over their tokens) minus ``beta`` times the
-    mean log-sigmoid of the log odds ratio of the per-token average log-probs; no reference model.
+    """ORPO (TRL's ``ORPOTrainer``): the chosen sequences' NLL (mean over its tokens) minus ``beta`` times the mean
+    log-sigmoid of the log odds ratio of the completions' per-token average log-probs; no reference model.
+
+    TRL takes the NLL over the whole chosen sequence, prompt included: ``nll_target`` (S, T) gives those labels
+    (the next tokens wherever the attention mask is 1; they must equal ``target`` where it is labelled); without
+    it, the NLL covers the completions (``target``'s labelled tokens).
 
     Metrics: chosen_rewards, rejected_rewards (beta x average log-prob, per pair), reward_accuracies,
     reward_margins, nll_loss, log_odds_ratio (mean log-sigmoid of the log odds), log_odds_chosen (mean log odds).
@@ -428,29 +431,46 @@ def linear_orpo_loss(
     _check_sequences(input, linear_weight, target, ignore_index)
     beta = v.check_number("beta", beta)
     n_pairs = input.shape[0] // 2
-    chosen_tokens = (target[:n_pairs] != ignore_index).sum().clamp(min=1)
-    parts = {}
+    scored = target
+    if nll_target is not None:
+        v.check_index_tensor("nll_target", nll_target)
+        if nll_target.shape != target.shape:
+            raise ValueError(f"nll_target must have target's shape {tuple(target.shape)}, got "
+                             f"{tuple(nll_target.shape)}")
+        labelled = target != ignore_index
+        if not torch.equal(nll_target[labelled], target[labelled]):
+            raise ValueError("nll_target must equal target wherever target is labelled (both are the next tokens)")
+        scored = torch.where(labelled, target, nll_target)  # every row either loss reads
+    order = _pair_order(input.shape[0], input.device)
+    rows = _Rows(input, scored, ignore_index, order, 2, _budget(input, linear_weight, chunk_size))
+    in_completion = (target[order] != ignore_index)[rows.valid]  # the rows of the odds ratio
+    in_nll = rows.seq % 2 == 0  # chosen sequences (pair order), every scored row
+    nll_tokens = in_nll.sum().clamp(min=1)
+    lengths = (target != ignore_index).sum(1)[order].to(_acc(input))
+    parts = {"seq": [], "nll": [], "ratio": [], "log_odds": []}
 
-    def pair_loss(chosen, rejected, chosen_len, rejected_len):
+    def chunk_loss(first, last, start, stop, lp, _):
+        seq = rows.seq_sums(lp * in_completion[start:stop], start, stop, first, last)
+        chosen, rejected = _pairs(seq)
+        chosen_len, rejected_len = _pairs(lengths[first:last].to(seq.dtype))
         chosen_avg, rejected_avg = chosen / chosen_len, rejected / rejected_len
         log_odds = (chosen_avg - rejected_avg) - (_log1mexp(chosen_avg) - _log1mexp(rejected_avg))
         ratio = F.logsigmoid(log_odds)
-        nll = -chosen.sum() / chosen_tokens.to(chosen.dtype)
-        parts.setdefault("nll", []).append(nll.detach())
-        parts.setdefault("ratio", []).append(ratio.detach())
-        parts.setdefault("log_odds", []).append(log_odds.detach())
+        nll = -(lp * in_nll[start:stop]).sum() / nll_tokens.to(lp.dtype)
+        for name, value in (("seq", seq), ("nll", nll), ("ratio", ratio), ("log_odds", log_odds)):
+            parts[name].append(value.detach())
         return nll - beta * ratio.sum() / n_pairs
 
-    loss, seq, lengths = _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature,
-                                      chunk_size, pair_loss, accumulation_dtype)
-    avg = seq / lengths.to(seq.dtype)
+    loss, *_ = _fused_loss(input, linear_weight, scored, linear_bias, chunk_loss, rows, temperature,
+                           accumulation_dtype=accumulation_dtype)
+    avg = torch.cat(parts["seq"]) / lengths
     chosen_rewards, rejected_rewards = beta * avg[0::2], beta * avg[1::2]
     return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
                   "reward_accuracies": (chosen_rewards > rejected_rewards).float(),
                   "reward_margins": chosen_rewards - rejected_rewards,
-                  "nll_loss": torch.stack(parts["nll"]).sum() if parts else seq.new_zeros(()),
-                  "log_odds_ratio": torch.cat(parts["ratio"]).mean() if parts else seq.new_zeros(()),
-                  "log_odds_chosen": torch.cat(parts["log_odds"]).mean() if parts else seq.new_zeros(())}
+                  "nll_loss": torch.stack(parts["nll"]).sum(),
+                  "log_odds_ratio": torch.cat(parts["ratio"]).mean(),
+                  "log_odds_chosen": torch.cat(parts["log_odds"]).mean()}
 
 
 def linear_cpo_loss(
@@ -508,7 +528,8 @@ def linear_cpo_loss(
     return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
                   "reward_accuracies": (chosen_rewards > rejected_rewards).float(),
                   "reward_margins": chosen_rewards - rejected_rewards,
-                  "nll_loss": torch.stack(nll_parts).sum() if nll_parts else seq.new_zeros(())}
+                  # TRL skips the NLL term (and logs 0) when cpo_alpha is 0
+                  "nll_loss": torch.stack(nll_parts).sum() if nll_parts and cpo_alpha != 0 else seq.new_zeros(())}
 
 
 def linear_simpo_loss(
@@ -569,7 +590,8 @@ def linear_kto_loss(
                                         ignore_index, temperature)
         ref_seq = ref_rows.new_zeros(rows.n_seq).index_add(0, rows.seq, ref_rows)
     n_seq = input.shape[0]
-    weights = torch.where(label, desirable_weight, undesirable_weight).to(ref_seq.dtype)
+    weights = torch.where(label, torch.tensor(desirable_weight, dtype=ref_seq.dtype, device=label.device),
+                          torch.tensor(undesirable_weight, dtype=ref_seq.dtype, device=label.device))
     policy_seq = []
 
     def chunk_loss(first, last, start, stop, lp, _):
@@ -653,7 +675,14 @@ def linear_grpo_loss(
     elif loss_type == "dr_grpo":
         normalizer = torch.tensor(float(n_seq * (max_completion_length or n_tok)), dtype=_acc(input),
                                   device=input.device)
-    logs = {"low": [], "high": [], "kl": []}
+    logs = {"low": [], "high": [], "cispo": [], "kl": []}
+
+    def _clip_flags(logs, coef, adv):
+        if loss_type == "cispo":
+            logs["cispo"].append((coef > epsilon_high) & (adv > 0))
+        else:
+            logs["low"].append((coef < 1 - epsilon_low) & (adv < 0))
+            logs["high"].append((coef > 1 + epsilon_high) & (adv > 0))
 
     def chunk_loss(first, last, start, stop, lp, _):
         old = old_rows[start:stop].to(lp.dtype) if old_rows is not None else lp.detach()
@@ -670,8 +699,13 @@ def linear_grpo_loss(
             if delta is not None:
                 coef_1 = torch.clamp(coef_1, max=delta)
             per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        logs["low"].append(((coef_1 < 1 - epsilon_low) & (adv < 0)).detach())
-        logs["high"].append(((coef_1 > 1 + epsilon_high) & (adv > 0)).detach())
+        if importance_sampling_level == "sequence":  # one ratio per sequence: TRL's flags are per sequence
+            coef_seq = torch.exp(seq_mean.detach())
+            if delta is not None and loss_type != "cispo":
+                coef_seq = torch.clamp(coef_seq, max=delta)
+            _clip_flags(logs, coef_seq, advantages.reshape(-1)[first:last].detach().to(coef_seq.dtype))
+        else:
+            _clip_flags(logs, coef_1.detach(), adv)
         if ref_rows is not None:
             ref = ref_rows[start:stop].to(lp.dtype)
             kl = torch.exp(ref - lp) - (ref - lp) - 1
@@ -685,16 +719,22 @@ def linear_grpo_loss(
         return per_token.sum() / normalizer.to(lp.dtype)
 
     loss, _, entropy, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
-                                   want_entropy=True,
-                           accumulation_dtype=accumulation_dtype)
-    low = torch.cat(logs["low"]).float() if logs["low"] else lengths.new_zeros(0)
-    high = torch.cat(logs["high"]).float() if logs["high"] else lengths.new_zeros(0)
-    metrics = {"clip_ratio_low": low.mean() if low.numel() else low.new_zeros(()),
-               "clip_ratio_high": high.mean() if high.numel() else high.new_zeros(()),
-               "clip_ratio": (low + high).mean() if low.numel() else low.new_zeros(()),
-               "entropy": entropy.mean() if entropy.numel() else lengths.new_zeros(())}
-    if logs["kl"]:
-        metrics["kl"] = torch.cat(logs["kl"]).mean()
+                                      want_entropy=True, accumulation_dtype=accumulation_dtype)
+    def mean(parts, dtype=torch.float32):  # TRL's global masked mean (flags as fp32): 0 where there is nothing
+        values = torch.cat(parts).to(dtype) if parts else lengths.new_zeros(0, dtype=dtype)
+        count = max(values.numel(), 1)
+        if importance_sampling_level == "sequence":  # TRL counts the sequences in a tensor of the default dtype
+            count = torch.tensor(float(count), device=values.device)
+        return values.sum() / count
+
+    metrics = {"entropy": entropy.sum() / max(entropy.numel(), 1)}
+    if loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = mean(logs["cispo"])
+    else:
+        metrics.update(clip_ratio_low=mean(logs["low"]), clip_ratio_high=mean(logs["high"]),
+                       clip_ratio=mean([a | b for a, b in zip(logs["low"], logs["high"], strict=True)]))
+    if beta != 0.0:
+        metrics["kl"] = mean(logs["kl"], lengths.dtype)
     return loss, metrics
 
 
