@@ -607,3 +607,74 @@ def test_sft_trainer(kernels, monkeypatch, tmp_path):
         return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
 
     _assert_runs(*_train_runs(build, kernels, monkeypatch))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fltrl.DPOTrainer: the DPO loss fused with the head
+
+
+FUSED_DPO_VARIANTS = {
+    "sigmoid": dict(loss_type=["sigmoid"]),
+    "ipo": dict(loss_type=["ipo"]),
+    "robust_smoothed": dict(loss_type=["robust"], label_smoothing=0.1),
+    "sigmoid_and_sft": dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
+    "sigmoid_precomputed_ref": dict(loss_type=["sigmoid"], precompute_ref_log_probs=True),
+    "sigmoid_scored_positions": dict(loss_type=["sigmoid"]),  # TRL's head where it has Triton: labelled rows only
+}
+
+
+@pytest.mark.parametrize("variant", list(FUSED_DPO_VARIANTS))
+def test_fused_dpo_trainer(variant, monkeypatch, tmp_path):
+    """fltrl.DPOTrainer against trl.DPOTrainer: every logged value at every step (loss, rewards, margins,
+    accuracies, log-probs, entropy, logits, token accuracy) and the final weights, and both against the float64
+    stock run; every loss of the fused run came from linear_dpo_loss."""
+    from fusedlayers import post_training
+
+    calls = []
+    fused_loss = post_training.linear_dpo_loss
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["loss_type"])
+        return fused_loss(*args, **kwargs)
+
+    monkeypatch.setattr(post_training, "linear_dpo_loss", spy)
+    if variant == "sigmoid_scored_positions":
+        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    data = _preference_data()
+    logs, models = [], []
+    for run in ("stock", "fused", "reference"):
+        model = _tiny_llama().to(torch.float64 if run == "reference" else torch.float32)
+        with contextlib.ExitStack() as stack:
+            if run == "reference":
+                stack.enter_context(_float64_reference(monkeypatch))
+            args = _config(trl.DPOConfig, tmp_path, beta=0.1, dataset_num_proc=None, **FUSED_DPO_VARIANTS[variant])
+            cls = fltrl.DPOTrainer if run == "fused" else trl.DPOTrainer
+            trainer = cls(model=model, ref_model=_reference_model(model.dtype), args=args, train_dataset=data,
+                          processing_class=_tokenizer())
+            logs.append(_train(trainer))
+        models.append(trainer.model)
+        fltrl.revert()
+        assert len(calls) == (STEPS * ACCUMULATION if run != "stock" else 0) or run == "reference", calls
+        if run == "fused":
+            assert isinstance(trainer, trl.DPOTrainer) and len(calls) == STEPS * ACCUMULATION
+    _assert_runs(logs, models)
+
+
+def test_fused_dpo_trainer_falls_back_where_the_fused_loss_does_not_apply(monkeypatch, tmp_path):
+    """A setting the fused loss does not cover (an f-divergence other than reverse KL) runs TRL's own loss, with the
+    same results as trl.DPOTrainer."""
+    from fusedlayers import post_training
+
+    monkeypatch.setattr(post_training, "linear_dpo_loss", lambda *a, **k: pytest.fail("the fused loss ran"))
+    data = _preference_data()
+    logs, models = [], []
+    for cls in (trl.DPOTrainer, fltrl.DPOTrainer):
+        model = _tiny_llama()
+        args = _config(trl.DPOConfig, tmp_path, beta=0.1, dataset_num_proc=None, f_divergence_type="js_divergence")
+        trainer = cls(model=model, ref_model=_reference_model(model.dtype), args=args, train_dataset=data,
+                      processing_class=_tokenizer())
+        logs.append(_train(trainer))
+        models.append(trainer.model)
+        fltrl.revert()
+    _assert_same_logs(logs[0], logs[1])
+    _assert_same_weights(models[0], models[1])

@@ -34,6 +34,11 @@ states outside autocast (``cast_lm_head_to_fp32=True`` upcasts the hidden states
 TRL's kernel casts each tile. Under DeepSpeed ZeRO-3 the call goes to TRL's kernel (counted in :data:`fallbacks`,
 logged once): its backward gathers the partitioned head again, ours would see the empty partition.
 
+``DPOTrainer`` (``fltrl.DPOTrainer(...)``, TRL's arguments) goes one step further: a subclass of TRL's whose DPO loss
+is :func:`fusedlayers.post_training.linear_dpo_loss`, computed in one pass over the head (three products per token
+instead of four); TRL's model call still runs (its backbone, wrappers and hooks), only the head's work moves into
+the loss. Settings the fused loss does not cover run TRL's own ``_compute_loss`` (see the class).
+
 Supported: TRL 1.15.x and 1.16.x (:data:`SUPPORTED_TRL`; tested with 1.16.0, on CPU), whose ``add_fused_lm_head``
 makes that call; :func:`apply` raises on other versions rather than patch a name whose call it does not know.
 Needs the optional extra: ``pip install "fusedlayers[trl]"``.
@@ -105,6 +110,9 @@ class ChunkedLogProbFunction:
               outputs=OUTPUTS):
         """TRL's call: hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) -> its five outputs, each None
         unless in ``outputs`` (log_probs always). ``chunk_size`` is TRL's vocabulary tile width: not used."""
+        if _captured is not None:  # a fused-loss trainer's forward: it computes the loss from these itself
+            _captured.append((hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale))
+            return (hidden.new_zeros(hidden.shape[0], dtype=torch.float32), None, None, None, None)
         if _zero3() and _original and _original[0] is not None:
             _fallback("zero3", "DeepSpeed ZeRO-3 partitions the LM head; its backward needs TRL's kernel, which "
                                "gathers the head again")
@@ -171,3 +179,143 @@ def applied():
     finally:
         if not was_applied:
             revert()
+
+
+# ----------------------------------------------------------------------------- DPOTrainer with the fused loss
+
+
+_captured: list | None = None  # set while a fused trainer's forward takes the head's inputs (see _capture_head)
+
+
+@contextlib.contextmanager
+def _capture_head():
+    """While active, the fused LM head's call records its inputs (the labelled hidden states, the head weight and
+    bias, the labels, temperature, soft-cap, scale) instead of computing log-probs: the loss is then computed from
+    them by ``fusedlayers.post_training`` in one pass. The model is still called as TRL calls it (through DDP, FSDP
+    or PEFT wrappers, whose hooks run), only the head's work moves."""
+    global _captured
+    _captured = []
+    try:
+        yield _captured
+    finally:
+        _captured = None
+
+
+def _logits_transformed(model) -> bool:
+    """Whether the model scales or soft-caps its logits (TRL's fused head reads the same config fields); the fused
+    losses take the plain head, so such models keep TRL's loss."""
+    config = model.config.get_text_config()
+    return any(getattr(config, name, None) is not None
+               for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                            "logits_scaling"))
+
+
+def dpo_trainer_class():
+    """``trl.DPOTrainer`` with its loss computed by :func:`fusedlayers.post_training.linear_dpo_loss` (a class made on
+    first use, so that importing this module does not import TRL's trainers)."""
+    global _DPOTrainer
+    if _DPOTrainer is None:
+        _DPOTrainer = _make_dpo_trainer()
+    return _DPOTrainer
+
+
+_DPOTrainer = None
+
+
+def _make_dpo_trainer():
+    import trl
+    from trl.models.utils import disable_gradient_checkpointing
+
+    from fusedlayers import post_training
+
+    class DPOTrainer(trl.DPOTrainer):
+        """TRL's ``DPOTrainer`` whose DPO loss runs fused with the LM head (``linear_dpo_loss``): the policy's
+        log-probs, the loss and its gradients in one pass over chunks of pairs, three head products per token
+        instead of TRL's four. Same arguments, same loss and logged metrics as TRL's (tested against it); any setting
+        the fused loss does not cover (f-divergences other than reverse KL, WPO weighting, ``ld_alpha``, MoE router
+        losses, PEFT without a reference model, models that scale or soft-cap their logits, the aot losses) runs TRL's
+        own ``_compute_loss``."""
+
+        def __init__(self, *args, **kwargs):
+            apply()
+            super().__init__(*args, **kwargs)
+
+        def _fused_loss_applies(self) -> bool:
+            model = self.accelerator.unwrap_model(self.model)
+            return (self.f_divergence_type == "reverse_kl" and self.ld_alpha is None and not self.use_weighting
+                    and not self.aux_loss_enabled and all(t in post_training.DPO_LOSS_TYPES for t in self.loss_types)
+                    and (self.precompute_ref_logps or self.ref_model is not None)
+                    and not _logits_transformed(model))
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            if return_outputs or not self._fused_loss_applies():
+                return super()._compute_loss(model, inputs, return_outputs)
+            mode = "train" if self.model.training else "eval"
+            completion_mask = inputs["completion_mask"]
+            labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+            model_kwargs = {k: v for k, v in inputs.items()
+                            if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
+            model_kwargs["use_cache"] = False
+            with _capture_head() as captured:
+                model(**model_kwargs, labels=labels, fused_lm_head=True)
+            hidden_rows, weight, bias, _, temperature, *_ = captured[-1]
+            target = labels[:, 1:].to(weight.device)
+            mask = target != -100
+            # TRL's head gets every position (devices without Triton) or the labelled ones only: back at their
+            # positions either way (the loss gathers its own rows, by pairs)
+            if hidden_rows.shape[0] == mask.numel():
+                hidden = hidden_rows.reshape(*mask.shape, -1)
+            else:
+                hidden = hidden_rows.new_zeros(*mask.shape, hidden_rows.shape[-1]).masked_scatter(
+                    mask[..., None], hidden_rows)
+            if self.precompute_ref_logps:
+                ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+            else:
+                with torch.no_grad(), disable_gradient_checkpointing(self.model,
+                                                                     self.args.gradient_checkpointing_kwargs):
+                    ref_outputs = self.ref_model(**model_kwargs, labels=labels, fused_lm_head=True)
+                ref = ref_outputs.log_probs[:, -target.shape[1]:].sum(1)
+            loss, m = post_training.linear_dpo_loss(
+                hidden, weight, target, ref_log_probs=ref.to(weight.device), linear_bias=bias, beta=self.beta,
+                loss_type=self.loss_types, loss_weights=self.loss_weights, label_smoothing=self.label_smoothing,
+                discopop_tau=self.args.discopop_tau, temperature=temperature, token_statistics=True)
+            self._log_dpo_metrics(mode, inputs, mask, m)
+            return loss
+
+        def _log_dpo_metrics(self, mode, inputs, mask, m):
+            """The metrics DPOTrainer._compute_loss logs, from the fused loss's values (the same reductions)."""
+            gather = self.accelerator.gather_for_metrics
+            metrics = self._metrics[mode]
+            tokens = gather(mask.sum()).sum()
+            metrics["entropy"].append((gather((m["entropy"] * mask).sum()).sum() / tokens).item()
+                                      if tokens > 0 else 0.0)
+            if mode == "train":
+                num_tokens_in_batch = gather(inputs["attention_mask"].sum()).sum().item()
+                self._total_train_tokens += num_tokens_in_batch // self._tp_size
+            metrics["num_tokens"] = [self._total_train_tokens]
+            chosen_mask, rejected_mask = mask.chunk(2, dim=0)
+            chosen_logits, rejected_logits = m["mean_logits"].chunk(2, dim=0)
+            for name, logits, part in (("chosen", chosen_logits, chosen_mask), ("rejected", rejected_logits,
+                                                                                rejected_mask)):
+                total = gather(logits[part].sum()).sum().item()
+                count = gather(part.sum()).sum().item()
+                metrics[f"logits/{name}"].append(total / count if count > 0 else 0.0)
+            chosen_top1 = m["is_top1"].chunk(2, dim=0)[0]
+            correct = gather((chosen_top1 & chosen_mask).sum())
+            total = gather(chosen_mask.sum()).sum()
+            metrics["mean_token_accuracy"].append((correct.sum() / total).item() if total > 0 else 0.0)
+            gather_all = self.accelerator.gather
+            metrics["rewards/chosen"].append(gather_all(m["chosen_rewards"]).mean().item())
+            metrics["rewards/rejected"].append(gather_all(m["rejected_rewards"]).mean().item())
+            metrics["rewards/accuracies"].append(gather_all(m["reward_accuracies"]).mean().item())
+            metrics["rewards/margins"].append(gather_all(m["reward_margins"]).mean().item())
+            metrics["logps/chosen"].append(gather_all(m["chosen_logps"]).mean().item())
+            metrics["logps/rejected"].append(gather_all(m["rejected_logps"]).mean().item())
+
+    return DPOTrainer
+
+
+def __getattr__(name: str):
+    if name == "DPOTrainer":  # made on first use: importing TRL's trainers takes seconds
+        return dpo_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
