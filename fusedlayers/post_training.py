@@ -239,7 +239,8 @@ def _check_reference(ref_input, ref_linear_weight, ref_log_probs, input, shape_o
 def _pair_order(n_seq: int, device) -> Tensor:
     """Sequence order that puts chosen i and rejected i (TRL's concatenated batch) next to each other."""
     if n_seq % 2:
-        raise ValueError(f"a preference batch holds chosen then rejected sequences: an even count, got {n_seq}")
+        raise ValueError(f"input must hold chosen then rejected sequences (a preference batch): an even count, got "
+                         f"{n_seq}")
     half = n_seq // 2
     return torch.stack([torch.arange(half), torch.arange(half, n_seq)], 1).reshape(-1).to(device)
 
@@ -610,7 +611,9 @@ def linear_kto_loss(
                            accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(n_seq)
     rewards = beta * (seq - ref_seq)
-    return loss, {"chosen_rewards": rewards[label], "rejected_rewards": rewards[~label], "kl": kl, "logps": seq}
+    # TRL computes (and logs) the KL estimate for "kto" only
+    return loss, {"chosen_rewards": rewards[label], "rejected_rewards": rewards[~label],
+                  "kl": kl if loss_type == "kto" else torch.zeros_like(kl), "logps": seq}
 
 
 # ----------------------------------------------------------------------------- GRPO

@@ -25,6 +25,7 @@ modules and the argument checks are tested against our own functions.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -829,3 +830,111 @@ def test_bad_input_names_the_argument(loss, changes, error, match):
     function(**kwargs)  # the unchanged call is valid
     with pytest.raises(error, match=match):
         function(**{**kwargs, **changes})
+
+
+# ----------------------------------------------------------------------------- GPU (the `cuda` tests)
+
+
+def _cuda_problem(n_seq=4, n_tok=64, hidden=64, vocab=32003, dtype=torch.bfloat16):
+    x = torch.randn(n_seq, n_tok, hidden, device="cuda").to(dtype)
+    w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(dtype)
+    t = torch.randint(0, vocab, (n_seq, n_tok), device="cuda")
+    t[:, : n_tok // 4] = -100  # prompts
+    return x, w, t
+
+
+def _full_logits_seq(x, w, t):
+    """Per-sequence sums of full-logit log-probs (logits in the input's dtype, as F.linear gives them)."""
+    lp = F.linear(x, w).float().log_softmax(-1)
+    keep = t != -100
+    return (lp.gather(-1, t.where(keep, 0)[..., None]).squeeze(-1) * keep).sum(-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulation_dtype", [None, torch.float32])
+def test_cuda_dpo_parity(dtype, accumulation_dtype):
+    x, w, t = _cuda_problem(dtype=dtype)
+    ref = torch.randn(4, device="cuda") * 10 - 100
+
+    def stock(x, w):
+        seq = _full_logits_seq(x, w, t) - ref
+        return -F.logsigmoid(0.1 * (seq[:2] - seq[2:])).mean()
+
+    fused_in = [v.detach().clone().requires_grad_() for v in (x, w)]
+    stock_in = [v.detach().clone().requires_grad_() for v in (x, w)]
+    ref_in = [v.detach().double().requires_grad_() for v in (x, w)]
+    fused, _ = flp.linear_dpo_loss(*fused_in, t, ref_log_probs=ref, accumulation_dtype=accumulation_dtype,
+                                   chunk_size=96)
+    expected = stock(*stock_in)
+    exact = stock(*ref_in)
+    for value in (fused, expected, exact):
+        value.backward()
+    # the loss is a function of sequence sums of ~50 log-probs (~500 in magnitude), times beta: known to that
+    # sum's rounding
+    floor = 1e-6 * 0.1 * _full_logits_seq(x.double(), w.double(), t).abs().max().item()
+    assert_parity(fused, expected.to(fused.dtype), exact.to(fused.dtype), "loss", floor=floor)
+    for name, f, s, r in zip(("input", "linear_weight"), fused_in, stock_in, ref_in, strict=True):
+        assert f.grad.dtype == f.dtype
+        assert_parity(f.grad, s.grad, r.grad.to(f.dtype), f"grad {name}")
+
+
+@pytest.mark.cuda
+def test_cuda_grpo_and_jsd_parity():
+    x, w, t = _cuda_problem(dtype=torch.float32)
+    adv = torch.randn(4, device="cuda")
+    old = torch.randn(4, 64, device="cuda") * 0.1 - 10
+    leaves = [v.detach().clone().requires_grad_() for v in (x, w)]
+    loss, metrics = flp.linear_grpo_loss(*leaves, t, adv, old_log_probs=old, loss_type="grpo", chunk_size=50)
+    loss.backward()
+    xs, ws = (v.detach().double().requires_grad_() for v in (x, w))
+    lp = F.linear(xs, ws).log_softmax(-1)
+    keep = t != -100
+    tok = lp.gather(-1, t.where(keep, 0)[..., None]).squeeze(-1)
+    coef = torch.exp(tok - old.double())
+    per_token = -torch.min(coef * adv.double()[:, None], coef.clamp(0.8, 1.2) * adv.double()[:, None])
+    expected = ((per_token * keep).sum(-1) / keep.sum(-1)).mean()
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(leaves[0].grad.double(), xs.grad, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(leaves[1].grad.double(), ws.grad, rtol=1e-3, atol=1e-5)
+
+    teacher_x = torch.randn(4, 64, 96, device="cuda")
+    teacher_w = torch.randn(32003, 96, device="cuda") / 10
+    student = [v.detach().clone().requires_grad_() for v in (x, w)]
+    loss, _ = flp.linear_generalized_jsd_loss(*student, teacher_x, teacher_w, t, beta=0.5, temperature=0.9)
+    loss.backward()
+    sx, sw = (v.detach().double().requires_grad_() for v in (x, w))
+    ls = (F.linear(sx, sw) / 0.9).log_softmax(-1)[keep]
+    lt = (F.linear(teacher_x.double(), teacher_w.double()) / 0.9).log_softmax(-1)[keep]
+    lm = torch.logaddexp(ls + math.log(0.5), lt + math.log(0.5))
+    expected = (0.5 * (lt.exp() * (lt - lm)).sum(-1) + 0.5 * (ls.exp() * (ls - lm)).sum(-1)).sum() / keep.sum()
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student[0].grad.double(), sx.grad, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(student[1].grad.double(), sw.grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_dpo_memory():
+    """bf16 head, default accumulation: the peak beyond the inputs is the gradients (W's, the input's) plus one
+    logits chunk, nothing (tokens x vocabulary)-sized."""
+    x, w, t = _cuda_problem(n_seq=8, n_tok=512, hidden=256, vocab=32000)
+    x.requires_grad_()
+    w.requires_grad_()
+    ref = torch.randn(8, device="cuda")
+
+    def step():
+        x.grad = w.grad = None
+        loss, _ = flp.linear_dpo_loss(x, w, t, ref_log_probs=ref, chunk_size=1024)
+        loss.backward()
+
+    step()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    extra = torch.cuda.max_memory_allocated() - base
+    bound = w.numel() * 2 + 2 * x.numel() * 2 + 1024 * 32000 * 2  # grad_W, grad_x and the gathered rows, one chunk
+    assert extra <= bound + 16 * 2**20 < 8 * 512 * 32000 * 2, (extra, bound)
