@@ -242,7 +242,14 @@ def extras_named():
             assert extra in str(error), f"the ImportError does not name the extra {extra!r}: {error}"
         else:
             raise AssertionError(f"fusedlayers.integrations.{name} imported without {name} installed")
-    print("ok  integrations: sdpa imports; transformers and thunder name their extras")
+    trl_integration = importlib.import_module("fusedlayers.integrations.trl")  # imports TRL only when applied
+    try:
+        trl_integration.apply()
+    except ImportError as error:
+        assert "fusedlayers[trl]" in str(error), f"the ImportError does not name the extra: {error}"
+    else:
+        raise AssertionError("fusedlayers.integrations.trl applied without trl installed")
+    print("ok  integrations: sdpa imports; transformers, thunder and trl name their extras")
 
 
 extras_named()
