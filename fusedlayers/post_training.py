@@ -625,14 +625,16 @@ def linear_grpo_loss(
     linear_bias: Tensor | None = None, ref_linear_bias: Tensor | None = None, beta: float = 0.0,
     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None, loss_type: str = "dapo",
     importance_sampling_level: str = "token", max_completion_length: int | None = None,
-    num_items_in_batch: int | Tensor | None = None, temperature: float = 1.0, ignore_index: int = -100,
-    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
+    num_items_in_batch: int | Tensor | None = None, kl_bias_correction: bool = False, temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None, token_statistics: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's policy loss (TRL's ``GRPOTrainer._compute_loss``) on a linear head. Per completion token, with the
     ratio ``c = exp(log pi - old_log_probs)`` (``importance_sampling_level="sequence"``: exp of the sequence's
     mean log-ratio) and the sequence's advantage A: ``-min(c A, clamp(c, 1 - epsilon_low, 1 + epsilon_high) A)``
     (``delta`` caps c first; "cispo": ``-min(c, epsilon_high).detach() A log pi``), plus ``beta`` times the k3
-    estimate of KL to the reference ``exp(ref - lp) - (ref - lp) - 1``. Aggregated as ``loss_type``:
+    estimate of KL to the reference ``exp(ref - lp) - (ref - lp) - 1`` (times the ratio c with ``kl_bias_correction``,
+    TRL's ``use_bias_correction_kl``). Aggregated as ``loss_type``:
 
     - "grpo": the mean over tokens of each sequence, then over sequences; "luspo": the sum per sequence, mean over
       sequences;
@@ -643,7 +645,9 @@ def linear_grpo_loss(
     ``advantages`` (S,); ``old_log_probs`` (S, T) of the policy that sampled (default: the current ones, detached:
     the ratio is 1); the reference as ``ref_log_probs`` (S, T) or ``ref_input`` / ``ref_linear_weight`` (needed
     when ``beta`` != 0). Metrics: kl (mean over tokens, when beta != 0), clip_ratio_low, clip_ratio_high,
-    clip_ratio (region), entropy (mean over tokens).
+    clip_ratio (region) (or cispo_clip_ratio), entropy (mean over tokens); with ``token_statistics`` also the values
+    GRPOTrainer derives its logged metrics from, (S, T) with 0 at ignored tokens: per_token_entropy, per_token_kl
+    (beta != 0) and coef_1, the importance ratio after ``delta`` ((S, 1) at the sequence level).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
     n_seq, n_tok = target.shape
@@ -678,7 +682,7 @@ def linear_grpo_loss(
     elif loss_type == "dr_grpo":
         normalizer = torch.tensor(float(n_seq * (max_completion_length or n_tok)), dtype=_acc(input),
                                   device=input.device)
-    logs = {"low": [], "high": [], "cispo": [], "kl": []}
+    logs = {"low": [], "high": [], "cispo": [], "kl": [], "coef": []}
 
     def _clip_flags(logs, coef, adv):
         if loss_type == "cispo":
@@ -695,6 +699,7 @@ def linear_grpo_loss(
             seq_mean = rows.seq_sums(log_ratio, start, stop, first, last) / lengths[first:last].clamp(min=1.0)
             log_ratio = seq_mean.to(lp.dtype)[rows.seq[start:stop] - first]
         coef_1 = torch.exp(log_ratio)
+        importance = coef_1  # before delta's cap: TRL's bias-corrected KL weighs by it
         if loss_type == "cispo":
             per_token = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * lp
         else:
@@ -707,11 +712,15 @@ def linear_grpo_loss(
             if delta is not None and loss_type != "cispo":
                 coef_seq = torch.clamp(coef_seq, max=delta)
             _clip_flags(logs, coef_seq, advantages.reshape(-1)[first:last].detach().to(coef_seq.dtype))
+            logs["coef"].append(coef_seq)
         else:
             _clip_flags(logs, coef_1.detach(), adv)
+            logs["coef"].append(coef_1.detach())
         if ref_rows is not None:
             ref = ref_rows[start:stop].to(lp.dtype)
             kl = torch.exp(ref - lp) - (ref - lp) - 1
+            if kl_bias_correction:
+                kl = kl * importance
             logs["kl"].append(kl.detach())
             per_token = per_token + beta * kl
         if loss_type in ("grpo", "luspo"):
@@ -738,6 +747,12 @@ def linear_grpo_loss(
                        clip_ratio=mean([a | b for a, b in zip(logs["low"], logs["high"], strict=True)]))
     if beta != 0.0:
         metrics["kl"] = mean(logs["kl"], lengths.dtype)
+    if token_statistics:
+        metrics["per_token_entropy"] = rows.tokens(entropy)
+        if beta != 0.0:
+            metrics["per_token_kl"] = rows.tokens(torch.cat(logs["kl"]) if logs["kl"] else entropy.new_zeros(0))
+        coef = torch.cat(logs["coef"]) if logs["coef"] else entropy.new_zeros(0)
+        metrics["coef_1"] = coef[:, None] if importance_sampling_level == "sequence" else rows.tokens(coef)
     return loss, metrics
 
 

@@ -678,3 +678,49 @@ def test_fused_dpo_trainer_falls_back_where_the_fused_loss_does_not_apply(monkey
         fltrl.revert()
     _assert_same_logs(logs[0], logs[1])
     _assert_same_weights(models[0], models[1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fltrl.GRPOTrainer: GRPO's loss fused with the head
+
+
+@pytest.mark.parametrize("setting", [dict(loss_type="grpo", beta=0.0), dict(loss_type="dapo", beta=0.05),
+                                     dict(loss_type="dr_grpo", beta=0.0, epsilon_high=0.28),
+                                     dict(loss_type="bnpo", beta=0.0, importance_sampling_level="sequence")],
+                         ids=["grpo", "dapo_kl", "dr_grpo", "bnpo_sequence"])
+def test_fused_grpo_trainer(setting, monkeypatch, tmp_path):
+    """fltrl.GRPOTrainer against trl.GRPOTrainer (the same sampled completions): every logged value at every step
+    (loss, rewards, KL, entropy, clip ratios) and the final weights, and both against the float64 stock run; every
+    loss of the fused run came from linear_grpo_loss."""
+    from fusedlayers import post_training
+
+    calls = []
+    fused_loss = post_training.linear_grpo_loss
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["loss_type"])
+        return fused_loss(*args, **kwargs)
+
+    monkeypatch.setattr(post_training, "linear_grpo_loss", spy)
+    _tiny_llama().save_pretrained(tmp_path / "tiny")
+    data = _prompts()
+    logs, models = [], []
+    for run in ("stock", "fused", "reference"):
+        dtype = torch.float64 if run == "reference" else torch.float32
+        with contextlib.ExitStack() as stack:
+            if run == "reference":
+                stack.enter_context(_float64_reference(monkeypatch))
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=dtype)
+            args = _config(trl.GRPOConfig, tmp_path, num_generations=4, max_completion_length=6, temperature=0.9,
+                           **setting)
+            cls = fltrl.GRPOTrainer if run == "fused" else trl.GRPOTrainer
+            trainer = cls(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                          processing_class=_tokenizer(padding_side="left"))
+            logs.append(_train(trainer))
+        models.append(trainer.model)
+        fltrl.revert()
+        if run == "stock":
+            assert not calls
+        if run == "fused":
+            assert isinstance(trainer, trl.GRPOTrainer) and len(calls) >= STEPS * ACCUMULATION, calls
+    _assert_runs(logs, models, completions=True)

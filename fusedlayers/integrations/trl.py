@@ -315,7 +315,133 @@ def _make_dpo_trainer():
     return DPOTrainer
 
 
+
+
+# ----------------------------------------------------------------------------- GRPOTrainer with the fused loss
+
+
+def grpo_trainer_class():
+    """``trl.GRPOTrainer`` with its loss computed by :func:`fusedlayers.post_training.linear_grpo_loss`."""
+    global _GRPOTrainer
+    if _GRPOTrainer is None:
+        _GRPOTrainer = _make_grpo_trainer()
+    return _GRPOTrainer
+
+
+_GRPOTrainer = None
+_GRPO_MODEL_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                      "old_per_token_logps", "ref_per_token_logps", "num_items_in_batch")
+
+
+def _make_grpo_trainer():
+    import trl
+    from trl.trainer.utils import nanmax, nanmin
+
+    from fusedlayers import post_training
+
+    class GRPOTrainer(trl.GRPOTrainer):
+        """TRL's ``GRPOTrainer`` whose policy loss runs fused with the LM head (``linear_grpo_loss``): the
+        log-probs, the clipped objective, the KL term and their gradients in one pass over chunks of sequences
+        (three head products per token instead of TRL's four). Same arguments, loss and logged metrics as TRL's
+        (tested against it); settings the fused loss does not cover (sapo and vespo losses, the entropy mask and
+        bonus, off-policy masking, vLLM importance-sampling correction, tool masks, MoE
+        router losses, vision inputs, models that scale or soft-cap their logits) run TRL's own ``_compute_loss``."""
+
+        def __init__(self, *args, **kwargs):
+            apply()
+            super().__init__(*args, **kwargs)
+
+        def _fused_loss_applies(self, inputs) -> bool:
+            return (self.loss_type in post_training.GRPO_LOSS_TYPES and self.top_entropy_quantile >= 1.0
+                    and self.off_policy_mask_threshold is None and not self._entropy_bonus_enabled
+                    and not (self.use_vllm and self.vllm_importance_sampling_correction)
+                    and not self.aux_loss_enabled
+                    and set(inputs) <= set(_GRPO_MODEL_INPUTS)
+                    and not _logits_transformed(self.accelerator.unwrap_model(self.model)))
+
+        def _compute_loss(self, model, inputs):
+            if not self._fused_loss_applies(inputs):
+                return super()._compute_loss(model, inputs)
+            mode = "train" if self.model.training else "eval"
+            completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], mask], dim=1)
+            keep = completion_ids.size(1)
+            labels = input_ids.masked_fill(attention_mask == 0, -100)  # as _get_per_token_logps_and_entropies
+            labels[:, :-keep] = -100
+            with self.accelerator.autocast(), _capture_head() as captured:
+                model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+            hidden_rows, weight, bias, _, temperature, *_ = captured[-1]
+            scored = labels[:, 1:].to(weight.device) != -100
+            if hidden_rows.shape[0] == scored.numel():
+                hidden = hidden_rows.reshape(*scored.shape, -1)
+            else:
+                hidden = hidden_rows.new_zeros(*scored.shape, hidden_rows.shape[-1]).masked_scatter(
+                    scored[..., None], hidden_rows)
+            hidden = hidden[:, -keep:]
+            target = completion_ids.masked_fill(mask == 0, -100).to(weight.device)
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            num_items = None
+            if self.loss_type in ("dapo", "cispo"):  # TRL's normalizer: the tokens of the whole accumulated batch
+                num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                if mode == "train":
+                    num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            with self.accelerator.autocast():
+                loss, m = post_training.linear_grpo_loss(
+                    hidden, weight, target, inputs["advantages"], old_log_probs=inputs.get("old_per_token_logps"),
+                    ref_log_probs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                    linear_bias=bias, beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                    delta=self.args.delta, loss_type=self.loss_type,
+                    kl_bias_correction=self.args.use_bias_correction_kl,
+                    importance_sampling_level=self.importance_sampling_level,
+                    max_completion_length=self.max_completion_length, num_items_in_batch=num_items,
+                    temperature=temperature, token_statistics=True)
+            if self.loss_type not in ("dapo", "cispo"):  # TRL divides these by the accumulation steps
+                loss = loss / accumulation
+            self._log_grpo_metrics(mode, mask, inputs["advantages"], m)
+            return loss
+
+        def _log_grpo_metrics(self, mode, mask, advantages, m):
+            """The metrics GRPOTrainer._compute_loss logs, from the fused loss's per-token values (its code)."""
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            metrics = self._metrics[mode]
+
+            def masked_seq_mean(x):
+                if x.shape[1] == 1:
+                    return x.squeeze(1)
+                return (x * mask).sum(-1) / mask.sum(-1)
+
+            def global_masked_mean(x):
+                if x.shape[1] == 1:
+                    local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+                else:
+                    local_sum, local_count = (x * mask).sum(), mask.sum().float()
+                totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+                return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+            if self.beta != 0.0:
+                metrics["kl"].append(global_masked_mean(m["per_token_kl"]))
+            metrics["entropy"].append(global_masked_mean(m["per_token_entropy"]))
+            coef_1 = m["coef_1"]
+            if self.loss_type == "cispo":
+                clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
+                metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
+                return
+            low = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+            high = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+            metrics["clip_ratio/low_mean"].append(global_masked_mean(low.float()))
+            metrics["clip_ratio/high_mean"].append(global_masked_mean(high.float()))
+            metrics["clip_ratio/region_mean"].append(global_masked_mean((low | high).float()))
+            metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low.float()))).item())
+            metrics["clip_ratio/high_max"].append(
+                nanmax(self.accelerator.gather(masked_seq_mean(high.float()))).item())
+
+    return GRPOTrainer
+
+
 def __getattr__(name: str):
     if name == "DPOTrainer":  # made on first use: importing TRL's trainers takes seconds
         return dpo_trainer_class()
+    if name == "GRPOTrainer":
+        return grpo_trainer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
