@@ -34,10 +34,11 @@ states outside autocast (``cast_lm_head_to_fp32=True`` upcasts the hidden states
 TRL's kernel casts each tile. Under DeepSpeed ZeRO-3 the call goes to TRL's kernel (counted in :data:`fallbacks`,
 logged once): its backward gathers the partitioned head again, ours would see the empty partition.
 
-``DPOTrainer`` (``fltrl.DPOTrainer(...)``, TRL's arguments) goes one step further: a subclass of TRL's whose DPO loss
-is :func:`fusedlayers.post_training.linear_dpo_loss`, computed in one pass over the head (three products per token
-instead of four); TRL's model call still runs (its backbone, wrappers and hooks), only the head's work moves into
-the loss. Settings the fused loss does not cover run TRL's own ``_compute_loss`` (see the class).
+``DPOTrainer`` and ``GRPOTrainer`` (``fltrl.DPOTrainer(...)``, TRL's arguments) go one step further: subclasses of
+TRL's whose loss is :func:`fusedlayers.post_training.linear_dpo_loss` / ``linear_grpo_loss``, computed in one pass
+over the head (three products per token instead of four); TRL's model call still runs (its backbone, wrappers and
+hooks), only the head's work moves into the loss. Settings the fused losses do not cover run TRL's own
+``_compute_loss`` (see each class).
 
 Supported: TRL 1.15.x and 1.16.x (:data:`SUPPORTED_TRL`; tested with 1.16.0, on CPU), whose ``add_fused_lm_head``
 makes that call; :func:`apply` raises on other versions rather than patch a name whose call it does not know.
