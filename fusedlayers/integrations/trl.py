@@ -234,8 +234,8 @@ def _make_dpo_trainer():
         log-probs, the loss and its gradients in one pass over chunks of pairs, three head products per token
         instead of TRL's four. Same arguments, same loss and logged metrics as TRL's (tested against it); any setting
         the fused loss does not cover (f-divergences other than reverse KL, WPO weighting, ``ld_alpha``, MoE router
-        losses, PEFT without a reference model, models that scale or soft-cap their logits, the aot losses) runs TRL's
-        own ``_compute_loss``."""
+        losses, PEFT without a reference model, models that scale or soft-cap their logits, the aot losses, DeepSpeed
+        ZeRO-3, whose head is gathered only inside the model's call) runs TRL's own ``_compute_loss``."""
 
         def __init__(self, *args, **kwargs):
             apply()
@@ -246,7 +246,7 @@ def _make_dpo_trainer():
             return (self.f_divergence_type == "reverse_kl" and self.ld_alpha is None and not self.use_weighting
                     and not self.aux_loss_enabled and all(t in post_training.DPO_LOSS_TYPES for t in self.loss_types)
                     and (self.precompute_ref_logps or self.ref_model is not None)
-                    and not _logits_transformed(model))
+                    and not _logits_transformed(model) and not _zero3())
 
         def _compute_loss(self, model, inputs, return_outputs):
             if return_outputs or not self._fused_loss_applies():
@@ -346,7 +346,8 @@ def _make_grpo_trainer():
         (three head products per token instead of TRL's four). Same arguments, loss and logged metrics as TRL's
         (tested against it); settings the fused loss does not cover (sapo and vespo losses, the entropy mask and
         bonus, off-policy masking, vLLM importance-sampling correction, tool masks, MoE
-        router losses, vision inputs, models that scale or soft-cap their logits) run TRL's own ``_compute_loss``."""
+        router losses, vision inputs, models that scale or soft-cap their logits, DeepSpeed ZeRO-3) run TRL's own
+        ``_compute_loss``."""
 
         def __init__(self, *args, **kwargs):
             apply()
@@ -358,7 +359,7 @@ def _make_grpo_trainer():
                     and not (self.use_vllm and self.vllm_importance_sampling_correction)
                     and not self.aux_loss_enabled
                     and set(inputs) <= set(_GRPO_MODEL_INPUTS)
-                    and not _logits_transformed(self.accelerator.unwrap_model(self.model)))
+                    and not _logits_transformed(self.accelerator.unwrap_model(self.model)) and not _zero3())
 
         def _compute_loss(self, model, inputs):
             if not self._fused_loss_applies(inputs):
