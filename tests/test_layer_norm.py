@@ -344,3 +344,17 @@ def test_cuda_autocast_compile_and_opcheck():
     for a, e in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, e)
     opcheck(torch.ops.fusedlayers.layer_norm.default, (xb, [300], wb, wb, 1e-5, xb, None))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_can_be_modified_in_place(backend):
+    """As nn.LayerNorm's (XLM scales it in place): the output is no view among the op's outputs."""
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    weight, bias = torch.rand(8) + 0.5, torch.randn(8)
+    with fl.use_backend(backend):
+        y = fl.layer_norm(x, (8,), weight, bias)
+        y *= 3.0
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+    expected = F.layer_norm(x, (8,), weight, bias) * 3.0
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(gx, torch.autograd.grad(expected.square().sum(), x)[0])

@@ -537,3 +537,18 @@ def test_cuda_autocast_compile_and_opcheck():
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
     opcheck(torch.ops.fusedlayers.rms_norm.default, (xb, [300], wb, 1e-6, xb, None))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_can_be_modified_in_place(backend):
+    """As nn.RMSNorm's: a model may scale the norm's output in place (the output is no view among the op's
+    outputs), and the gradient is then that of the modified output."""
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    weight = torch.rand(8) + 0.5
+    with fl.use_backend(backend):
+        y = fl.rms_norm(x, (8,), weight)
+        y *= 3.0
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+    expected = F.rms_norm(x, (8,), weight) * 3.0
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(gx, torch.autograd.grad(expected.square().sum(), x)[0])

@@ -88,7 +88,11 @@ def norm_forward_reference(input: Tensor, normalized_shape, weight: Tensor | Non
         y = y * weight.reshape(n_cols).to(acc)
     if bias is not None:
         y = y + bias.reshape(n_cols).to(acc)
-    y = y.to(out_dtype or h.dtype).reshape(input.shape)
+    # written into a tensor of the input's shape, not returned as a reshaped view: a view among a multi-output
+    # function's outputs could not be modified in place, and nn.LayerNorm's output can (XLM scales it in place)
+    out = torch.empty(input.shape, dtype=out_dtype or h.dtype, device=input.device)
+    out.view(rows, n_cols).copy_(y)
+    y = out
     h_out = h.contiguous() if residual is not None else input.new_empty((0,))
     if n_cols == 0:
         stats = stats.zero_()
