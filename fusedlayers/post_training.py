@@ -44,11 +44,17 @@ from fusedlayers.ops.linear_cross_entropy import (
     _addmm_acc_,
     _in_place_allowed,
     _scale_in_place,
+    chunk_logits_,
     default_chunk_size,
     linear_cross_entropy_scale_grad,
     matmul_dtype,
 )
 from fusedlayers.ops.linear_log_probs import chunked_linear_log_probs
+
+try:
+    from fusedlayers.kernels import post_training as kernels
+except ImportError:  # no Triton: the PyTorch rows run everywhere
+    kernels = None
 
 __all__ = ["linear_dpo_loss", "linear_orpo_loss", "linear_cpo_loss", "linear_simpo_loss", "linear_kto_loss",
            "linear_grpo_loss", "linear_generalized_jsd_loss", "LinearDPOLoss", "LinearORPOLoss", "LinearCPOLoss",
@@ -201,6 +207,17 @@ def _reference_log_probs(rows: _Rows, ref_input, ref_linear_weight, ref_linear_b
                                 temperature=temperature)
 
 
+def _reference_sums(rows: _Rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, order,
+                    ignore_index, temperature, dtype) -> Tensor:
+    """The reference's per-sequence log-prob sums in ``rows``' order: ``ref_log_probs`` as given, or from its own
+    hidden states and head."""
+    if ref_log_probs is not None:
+        return (ref_log_probs if order is None else ref_log_probs[order]).detach().to(dtype)
+    ref_rows = _reference_log_probs(rows, ref_input, ref_linear_weight, ref_linear_bias, target, order, ignore_index,
+                                    temperature)
+    return ref_rows.new_zeros(rows.n_seq).index_add(0, rows.seq, ref_rows)
+
+
 def _check_sequences(input: Tensor, linear_weight: Tensor, target: Tensor, ignore_index: int, name: str = "input"):
     v.check_float_tensor(name, input)
     v.check_float_tensor("linear_weight", linear_weight)
@@ -336,12 +353,8 @@ def linear_dpo_loss(
     order = _pair_order(input.shape[0], input.device)
     rows = _Rows(input, target, ignore_index, order, 2, _budget(input, linear_weight, chunk_size))
     n_pairs = input.shape[0] // 2
-    if ref_log_probs is not None:
-        ref_seq = ref_log_probs[order].detach().to(_acc(input))
-    else:
-        ref_rows = _reference_log_probs(rows, ref_input, ref_linear_weight, ref_linear_bias, target, order,
-                                        ignore_index, temperature)
-        ref_seq = ref_rows.new_zeros(rows.n_seq).index_add(0, rows.seq, ref_rows)
+    ref_seq = _reference_sums(rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, order,
+                              ignore_index, temperature, _acc(input))
     lengths = rows.lengths.to(ref_seq.dtype)
     n_chosen_tokens = rows.lengths[0::2].sum().clamp(min=1).to(ref_seq.dtype)
     policy_seq = []
@@ -584,12 +597,8 @@ def linear_kto_loss(
     if kl_log_probs is not None:
         kl = (kl_log_probs.detach().to(_acc(input)) - ref_kl_log_probs.detach().to(_acc(input))).mean().clamp(min=0)
     rows = _Rows(input, target, ignore_index, None, 1, _budget(input, linear_weight, chunk_size))
-    if ref_log_probs is not None:
-        ref_seq = ref_log_probs.detach().to(_acc(input))
-    else:
-        ref_rows = _reference_log_probs(rows, ref_input, ref_linear_weight, ref_linear_bias, target, None,
-                                        ignore_index, temperature)
-        ref_seq = ref_rows.new_zeros(rows.n_seq).index_add(0, rows.seq, ref_rows)
+    ref_seq = _reference_sums(rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, None,
+                              ignore_index, temperature, _acc(input))
     n_seq = input.shape[0]
     weights = torch.where(label, torch.tensor(desirable_weight, dtype=ref_seq.dtype, device=label.device),
                           torch.tensor(undesirable_weight, dtype=ref_seq.dtype, device=label.device))
@@ -803,13 +812,9 @@ class _FusedJSD(torch.autograd.Function):
             for start in range(0, n_rows, rows):
                 stop = min(start + rows, n_rows)
                 xs_c = xs[start:stop].to(compute_dtype)
-                s, t = s_buf[: stop - start], t_buf[: stop - start]
-                torch.mm(xs_c, ws_c.t(), out=s) if bs_c is None else torch.addmm(bs_c, xs_c, ws_c.t(), out=s)
-                xt_c = xt[start:stop].to(compute_dtype)
-                torch.mm(xt_c, wt_c.t(), out=t) if bt_c is None else torch.addmm(bt_c, xt_c, wt_c.t(), out=t)
+                s = chunk_logits_(s_buf[: stop - start], xs_c, ws_c.t(), bs_c)
+                t = chunk_logits_(t_buf[: stop - start], xt[start:stop].to(compute_dtype), wt_c.t(), bt_c)
                 if use_kernels:
-                    from fusedlayers.kernels import post_training as kernels
-
                     kernels.jsd_rows_(s, t, beta, temperature, scale, loss_rows[start:stop])
                 else:
                     loss_c, grad_c = _jsd_rows_reference(s, t, beta, temperature, acc)

@@ -613,6 +613,21 @@ def test_sft_trainer(kernels, monkeypatch, tmp_path):
 # fltrl.DPOTrainer: the DPO loss fused with the head
 
 
+def _count_calls(monkeypatch, name: str) -> list:
+    """The loss_type of every call of fusedlayers.post_training's ``name`` from now on."""
+    from fusedlayers import post_training
+
+    calls = []
+    fused_loss = getattr(post_training, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["loss_type"])
+        return fused_loss(*args, **kwargs)
+
+    monkeypatch.setattr(post_training, name, spy)
+    return calls
+
+
 FUSED_DPO_VARIANTS = {
     "sigmoid": dict(loss_type=["sigmoid"]),
     "ipo": dict(loss_type=["ipo"]),
@@ -628,16 +643,7 @@ def test_fused_dpo_trainer(variant, monkeypatch, tmp_path):
     """fltrl.DPOTrainer against trl.DPOTrainer: every logged value at every step (loss, rewards, margins,
     accuracies, log-probs, entropy, logits, token accuracy) and the final weights, and both against the float64
     stock run; every loss of the fused run came from linear_dpo_loss."""
-    from fusedlayers import post_training
-
-    calls = []
-    fused_loss = post_training.linear_dpo_loss
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["loss_type"])
-        return fused_loss(*args, **kwargs)
-
-    monkeypatch.setattr(post_training, "linear_dpo_loss", spy)
+    calls = _count_calls(monkeypatch, "linear_dpo_loss")
     if variant == "sigmoid_scored_positions":
         monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
     data = _preference_data()
@@ -692,16 +698,7 @@ def test_fused_grpo_trainer(setting, monkeypatch, tmp_path):
     """fltrl.GRPOTrainer against trl.GRPOTrainer (the same sampled completions): every logged value at every step
     (loss, rewards, KL, entropy, clip ratios) and the final weights, and both against the float64 stock run; every
     loss of the fused run came from linear_grpo_loss."""
-    from fusedlayers import post_training
-
-    calls = []
-    fused_loss = post_training.linear_grpo_loss
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["loss_type"])
-        return fused_loss(*args, **kwargs)
-
-    monkeypatch.setattr(post_training, "linear_grpo_loss", spy)
+    calls = _count_calls(monkeypatch, "linear_grpo_loss")
     _tiny_llama().save_pretrained(tmp_path / "tiny")
     data = _prompts()
     logs, models = [], []

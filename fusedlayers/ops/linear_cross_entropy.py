@@ -167,6 +167,13 @@ def _chunk_ce_backward_(use_kernels, logits, target, weight, lse, aux, g, ignore
         grad_target_out.copy_(dq)
 
 
+def chunk_logits_(logits: Tensor, x_c: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
+    """logits = x_c @ weight_t (+ bias), written into the reused chunk buffer ``logits``."""
+    if bias is not None:
+        return torch.addmm(bias, x_c, weight_t, out=logits)
+    return torch.mm(x_c, weight_t, out=logits)
+
+
 def _addmm_acc_(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
     """acc += a @ b summed in acc's dtype; ``first``: acc = a @ b (acc may be uninitialised)."""
     beta = 0.0 if first else 1.0
@@ -237,11 +244,7 @@ def chunked_linear_cross_entropy(
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
             x_c, t_c = x[start:stop].to(compute_dtype), target[start:stop]
-            logits = buffer[: stop - start]
-            if b is not None:
-                torch.addmm(b, x_c, weight_t, out=logits)
-            else:
-                torch.mm(x_c, weight_t, out=logits)
+            logits = chunk_logits_(buffer[: stop - start], x_c, weight_t, b)
             aux_c = aux[start:stop] if aux is not None else None
             if row_grad is None:
                 _chunk_ce_forward(use_kernels, logits, t_c, class_weight, ignore_index, smoothing, z_loss,

@@ -31,7 +31,13 @@ from torch import Tensor
 from fusedlayers import _validate as v
 from fusedlayers.backend import use_triton
 from fusedlayers.ops._eager import call, custom_op, register_autograd
-from fusedlayers.ops.linear_cross_entropy import _accumulator, _addmm_acc_, default_chunk_size, matmul_dtype
+from fusedlayers.ops.linear_cross_entropy import (
+    _accumulator,
+    _addmm_acc_,
+    chunk_logits_,
+    default_chunk_size,
+    matmul_dtype,
+)
 
 try:
     from fusedlayers.kernels import linear_log_probs as kernels
@@ -157,11 +163,7 @@ def chunked_linear_log_probs(
                     row_grads(start, stop, lp[start:stop], ent_c)
                 continue
             x_c, t_c = x[start:stop].to(compute_dtype), target[start:stop]
-            logits = buffer[: stop - start]
-            if b is not None:
-                torch.addmm(b, x_c, weight_t, out=logits)
-            else:
-                torch.mm(x_c, weight_t, out=logits)
+            logits = chunk_logits_(buffer[: stop - start], x_c, weight_t, b)
             if not backward_only:
                 _forward_rows(use_kernels, logits, t_c, ignore_index, transform, acc, lp[start:stop],
                               lse[:, start:stop], ent_c, stats[:, start:stop] if stats is not None else None)
