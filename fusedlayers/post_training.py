@@ -402,8 +402,8 @@ def _token_statistics(rows: _Rows, entropy: Tensor, stats: Tensor) -> dict[str, 
 
 def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature, chunk_size, pair_loss,
                  accumulation_dtype):
-    """A reference-free preference loss: ``pair_loss(chosen_seq, rejected_seq, chosen_len, rejected_len,
-    chosen_token_sum)`` per chunk of pairs, summed; returns (loss, per-sequence sums, lengths) in pair order."""
+    """A reference-free preference loss: ``pair_loss(chosen_seq, rejected_seq, chosen_len, rejected_len)`` per chunk
+    of pairs, summed; returns (loss, per-sequence sums, lengths) in pair order."""
     order = _pair_order(input.shape[0], input.device)
     rows = _Rows(input, target, ignore_index, order, 2, _budget(input, linear_weight, chunk_size))
     lengths = rows.lengths.to(_acc(input))
