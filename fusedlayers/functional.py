@@ -369,6 +369,17 @@ def _loss_dtype(input: Tensor) -> torch.dtype:
     return input.dtype
 
 
+def _check_logit_transform(logit_scale, softcap) -> tuple[float, float | None]:
+    logit_scale = v.check_number("logit_scale", logit_scale)
+    if not 0.0 < logit_scale < float("inf"):
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale}")
+    if softcap is not None:
+        softcap = v.check_number("softcap", softcap)
+        if not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be None (no soft-capping) or a finite number > 0, got {softcap}")
+    return logit_scale, softcap
+
+
 def _check_class_weight(weight, n_classes: int, device: torch.device) -> Tensor | None:
     if weight is None:
         return None
@@ -543,7 +554,7 @@ def linear_cross_entropy(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None,
     weight: Tensor | None = None, reduction: str = "mean", ignore_index: int | None = None,
     label_smoothing: float = 0.0, options=None, z_loss: float = 0.0, chunk_size: int | None = None,
-    accumulation_dtype: torch.dtype | None = None,
+    accumulation_dtype: torch.dtype | None = None, logit_scale: float = 1.0, softcap: float | None = None,
 ) -> Tensor:
     """``F.linear_cross_entropy`` of torch >= 2.13 (same signature; works on older torch too), i.e.
     ``fl.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight, ...)``, without
@@ -558,6 +569,11 @@ def linear_cross_entropy(
     error (as torch). Loss semantics (reductions, NaN "mean" when every row is ignored, weights, smoothing,
     z_loss, out-of-range targets) are those of ``fl.cross_entropy``. Under autocast the matmuls run in the
     autocast dtype (as F.linear) and the loss is fp32.
+
+    Beyond torch, as model heads that post-process their logits: ``logit_scale`` (> 0) multiplies the logits
+    (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and ``softcap`` (None or > 0) then caps them to
+    ``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``) before the cross-entropy, in the
+    same kernels (the loss and gradient of the transformed logits, which are never stored either).
 
     Rows are processed ``chunk_size`` at a time through one (chunk_size, C) logits buffer (2-D linear_weight;
     a K-dimensional one, and class weights that require grad, take the slower exact path through
@@ -581,6 +597,7 @@ def linear_cross_entropy(
     if ignore_index is not None:
         v.check_int("ignore_index", ignore_index)
     _, reduction, label_smoothing, z_loss = _check_loss_args(-100, reduction, label_smoothing, z_loss)
+    logit_scale, softcap = _check_logit_transform(logit_scale, softcap)
     if linear_weight.dim() < 2:
         raise ValueError(f"linear_weight must be (C, in_features) or (C, d1, ..., in_features), got shape "
                          f"{tuple(linear_weight.shape)}")
@@ -642,6 +659,9 @@ def linear_cross_entropy(
                                             linear_bias.reshape(-1) if linear_bias is not None else None)
         logits = logits.reshape(-1, n_classes) if flat else logits.reshape(logits_shape)
         rows_target = target.reshape(-1, n_classes) if flat and soft else target.reshape(-1) if flat else target
+        if (logit_scale, softcap) != (1.0, None):
+            logits = logits * logit_scale
+            logits = softcap * torch.tanh(logits / softcap) if softcap is not None else logits
         loss = cross_entropy(logits, rows_target, weight, ignore_index=ignore_index, reduction=reduction,
                              label_smoothing=label_smoothing, z_loss=z_loss)
         return loss.reshape(lead) if flat and reduction == "none" else loss
@@ -650,8 +670,8 @@ def linear_cross_entropy(
     loss, *_ = call(
         _linear_cross_entropy_ops.linear_cross_entropy,
         input.reshape(-1, hidden), linear_weight, target.reshape(-1, n_classes) if soft else target.reshape(-1),
-        linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss, chunk, compute_dtype, acc, out_dtype,
-        retain, grad and input.requires_grad, grad and linear_weight.requires_grad,
+        linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss, logit_scale, softcap, chunk,
+        compute_dtype, acc, out_dtype, retain, grad and input.requires_grad, grad and linear_weight.requires_grad,
         grad and linear_bias is not None and linear_bias.requires_grad, grad and soft and target.requires_grad,
     )
     return loss.reshape(lead) if reduction == "none" else loss

@@ -148,16 +148,17 @@ class LinearCrossEntropyLoss(nn.Module):
 
     Same constructor (``in_features, num_classes, *, out_features=(), bias=False, device=None, dtype=None,
     reduction="mean", weight=None, ignore_index=None, label_smoothing=0.0, options=None``) plus our keyword-only
-    ``z_loss``, ``chunk_size`` and ``accumulation_dtype``; same parameters and buffers (``linear.weight`` of
-    shape (num_classes * prod(out_features), in_features), ``linear.bias``, the class ``weight`` buffer), so
-    state dicts load both ways; same ``forward(input, target)``. For a weight you hold elsewhere (a tied
-    embedding), call ``fl.linear_cross_entropy`` directly.
+    ``z_loss``, ``chunk_size``, ``accumulation_dtype``, ``logit_scale`` and ``softcap``; same parameters and buffers
+    (``linear.weight`` of shape (num_classes * prod(out_features), in_features), ``linear.bias``, the class
+    ``weight`` buffer), so state dicts load both ways; same ``forward(input, target)``. For a weight you hold
+    elsewhere (a tied embedding), call ``fl.linear_cross_entropy`` directly.
     """
 
     def __init__(self, in_features: int, num_classes: int, *, out_features: tuple[int, ...] = (), bias: bool = False,
                  device=None, dtype=None, reduction: str = "mean", weight: Tensor | None = None,
                  ignore_index: int | None = None, label_smoothing: float = 0.0, options=None, z_loss: float = 0.0,
-                 chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None) -> None:
+                 chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
+                 logit_scale: float = 1.0, softcap: float | None = None) -> None:
         super().__init__()
         from fusedlayers import _validate as v
 
@@ -183,6 +184,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.z_loss = z_loss
         self.chunk_size = chunk_size
         self.accumulation_dtype = accumulation_dtype
+        self.logit_scale, self.softcap = F._check_logit_transform(logit_scale, softcap)
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         linear_weight = self.linear.weight.reshape(self.num_classes, *self.out_features, self.linear.in_features)
@@ -191,14 +193,16 @@ class LinearCrossEntropyLoss(nn.Module):
         return F.linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, options=self.options,
-            z_loss=self.z_loss, chunk_size=self.chunk_size, accumulation_dtype=self.accumulation_dtype)
+            z_loss=self.z_loss, chunk_size=self.chunk_size, accumulation_dtype=self.accumulation_dtype,
+            logit_scale=self.logit_scale, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.linear.in_features}, num_classes={self.num_classes}, "
                 f"out_features={self.out_features}, bias={self.linear.bias is not None}, "
                 f"reduction={self.reduction}, ignore_index={self.ignore_index}, "
                 f"label_smoothing={self.label_smoothing}, options={self.options}, z_loss={self.z_loss}, "
-                f"chunk_size={self.chunk_size}, accumulation_dtype={self.accumulation_dtype}")
+                f"chunk_size={self.chunk_size}, accumulation_dtype={self.accumulation_dtype}, "
+                f"logit_scale={self.logit_scale}, softcap={self.softcap}")
 
 
 # ----------------------------------------------------------------------------- fake quantization (QAT)

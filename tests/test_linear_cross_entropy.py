@@ -41,9 +41,14 @@ def _class_weights(n_classes, device="cpu"):
     return torch.rand(n_classes, device=device) * 1.5 + 0.25
 
 
-def stock_loss(x, w, t, b=None, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
-    """F.cross_entropy(F.linear(...)) plus the z-loss written with torch ops."""
-    return stock_cross_entropy(F.linear(x, w, b), t, weight, ignore_index, reduction, label_smoothing, z_loss)
+def stock_loss(x, w, t, b=None, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+               logit_scale=1.0, softcap=None):
+    """F.cross_entropy(F.linear(...)) plus the z-loss written with torch ops; the logits scaled and soft-capped
+    as Cohere's and Gemma 2's heads do."""
+    logits = F.linear(x, w, b) * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return stock_cross_entropy(logits, t, weight, ignore_index, reduction, label_smoothing, z_loss)
 
 
 def _check(x, w, t, b=None, weight=None, chunk_size=None, **kw):
@@ -125,6 +130,35 @@ def test_probability_targets(backend, reduction, label_smoothing, weighted):
     with fl.use_backend(backend):
         _check(x, w, _probabilities(23, 37), b, weight=_class_weights(37) if weighted else None, chunk_size=6,
                reduction=reduction, label_smoothing=label_smoothing, z_loss=1e-2 if weighted else 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("transform", [dict(logit_scale=0.0625), dict(softcap=2.0), dict(logit_scale=3.0, softcap=5.0)])
+def test_logit_scale_and_softcap(backend, reduction, transform):
+    """The loss of scaled / soft-capped logits (Cohere, Granite, Gemma 2 heads) with every other option."""
+    x, w, b = _problem(n_rows=29, hidden=16, n_classes=45, bias=True)
+    with fl.use_backend(backend):
+        _check(x, w, _targets(29, 45), b, chunk_size=7, reduction=reduction, **transform)
+        _check(x, w, _targets(29, 45, ignore_index=3), weight=_class_weights(45), chunk_size=7, ignore_index=3,
+               reduction=reduction, label_smoothing=0.2, z_loss=1e-2, **transform)
+        _check(x, w, _probabilities(29, 45), b, weight=_class_weights(45), chunk_size=7, reduction=reduction,
+               label_smoothing=0.1, **transform)
+
+
+def test_logit_transform_on_the_exact_path_and_large_logits():
+    """A K-dimensional loss (the path through the logits) applies the same transform; soft-capping keeps logits
+    of 1e4 finite and its gradient (1 - tanh^2) vanishes there, as the written-out form's."""
+    x, w = torch.randn(3, 5), torch.randn(10, 4, 5)
+    t = torch.randint(0, 10, (3, 4))
+    fused = fl.linear_cross_entropy(x, w, t, logit_scale=0.5, softcap=3.0)
+    logits = torch.einsum("nh,cdh->ncd", x, w) * 0.5
+    torch.testing.assert_close(fused, F.cross_entropy(torch.tanh(logits / 3.0) * 3.0, t))
+    x, w, _ = _problem(n_rows=9, hidden=8, n_classes=33)
+    b = torch.where(torch.arange(33) % 3 == 0, 1e4, 0.0) * torch.randn(33).sign()  # saturated columns
+    for backend in BACKENDS:
+        with fl.use_backend(backend):
+            _check(x, w, _targets(9, 33), b, softcap=30.0, chunk_size=4)
 
 
 @pytest.mark.parametrize("n_classes", [50257, 32003])
@@ -530,19 +564,21 @@ def test_opcheck(backend):
             for flags in ((True, True, True, True), (False, True, False, False)):
                 for target, weight in ((t, None), (q, cw)):
                     opcheck(ops.linear_cross_entropy.default,
-                            (x, w, target, b, weight, -100, reduction, 0.1, 1e-2, 4, f32, f32, f32, True, *flags))
-        opcheck(ops.linear_cross_entropy.default, (x, w, t, None, None, -100, "mean", 0.0, 0.0, 0, f32, f32, f32, True,
-                                                   True, True, False, False))
+                            (x, w, target, b, weight, -100, reduction, 0.1, 1e-2, 0.5, 3.0, 4, f32, f32, f32, True,
+                             *flags))
+        opcheck(ops.linear_cross_entropy.default, (x, w, t, None, None, -100, "mean", 0.0, 0.0, 1.0, None, 0, f32, f32,
+                                                   f32, True, True, True, False, False))
         opcheck(ops.linear_cross_entropy.default,  # autocast's shape: fp32 tensors, bf16 matmuls, bf16 accumulator
-                (x, w, t, b, None, -100, "mean", 0.0, 0.0, 4, torch.bfloat16, torch.bfloat16, f32, True, True, True,
-                 True, False))
+                (x, w, t, b, None, -100, "mean", 0.0, 0.0, 1.0, None, 4, torch.bfloat16, torch.bfloat16, f32, True,
+                 True, True, True, False))
         opcheck(ops.linear_cross_entropy_scale_grad.default, (torch.randn(4, 5), torch.tensor(2.0), torch.float16))
         for target, weight in ((t, None), (q.detach(), cw)):
             _, lse, aux, *_ = ops.linear_cross_entropy(x.detach(), w.detach(), target, b.detach(), weight, -100, "none",
-                                                       0.1, 1e-2, 4, f32, f32, f32, True, False, False, False, False)
+                                                       0.1, 1e-2, 1.0, None, 4, f32, f32, f32, True, False, False,
+                                                       False, False)
             opcheck(ops.linear_cross_entropy_backward.default,
                     (torch.rand(9), x.detach(), w.detach(), target, b.detach(), weight, lse, aux, -100, "none", 0.1,
-                     1e-2, 4, f32, f32, True, True, True, True))
+                     1e-2, 1.0, None, 4, f32, f32, True, True, True, True))
 
 
 def test_compile_fullgraph_equals_eager_with_ignore_index():
@@ -593,10 +629,11 @@ def test_signature_is_torchs():
     ours = inspect.signature(fl.linear_cross_entropy).parameters
     theirs = inspect.signature(F.linear_cross_entropy).parameters
     assert list(ours)[: len(theirs)] == list(theirs)
-    assert list(ours)[len(theirs):] == ["z_loss", "chunk_size", "accumulation_dtype"]
+    extras = ["z_loss", "chunk_size", "accumulation_dtype", "logit_scale", "softcap"]
+    assert list(ours)[len(theirs):] == extras
     for name, p in theirs.items():
         assert ours[name].default == p.default and ours[name].kind == p.kind, name
-    assert all(ours[n].kind == inspect.Parameter.KEYWORD_ONLY for n in ("z_loss", "chunk_size", "accumulation_dtype"))
+    assert all(ours[n].kind == inspect.Parameter.KEYWORD_ONLY for n in extras)
     mod_ours = inspect.signature(fl.LinearCrossEntropyLoss.__init__).parameters
     mod_theirs = inspect.signature(torch.nn.LinearCrossEntropyLoss.__init__).parameters
     assert list(mod_ours)[: len(mod_theirs)] == list(mod_theirs)
@@ -636,6 +673,11 @@ L4 = torch.zeros(4, dtype=torch.long)
         (lambda: fl.linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), L4, None), TypeError, "positional"),
         (lambda: fl.LinearCrossEntropyLoss(3, 5, weight=torch.ones(4)), ValueError, "weight"),
         (lambda: fl.LinearCrossEntropyLoss(3, 5, label_smoothing=2.0), ValueError, "label_smoothing"),
+        (_lce(torch.randn(4, 3), torch.randn(5, 3), L4, logit_scale=0.0), ValueError, "logit_scale"),
+        (_lce(torch.randn(4, 3), torch.randn(5, 3), L4, logit_scale="2"), TypeError, "logit_scale"),
+        (_lce(torch.randn(4, 3), torch.randn(5, 3), L4, softcap=0.0), ValueError, "softcap"),
+        (_lce(torch.randn(4, 3), torch.randn(5, 3), L4, softcap=float("inf")), ValueError, "softcap"),
+        (lambda: fl.LinearCrossEntropyLoss(3, 5, softcap=-1.0), ValueError, "softcap"),
     ],
 )
 def test_bad_input_names_the_argument(call, error, name):
@@ -673,11 +715,13 @@ def test_module_is_a_drop_in():
 
 def test_module_without_torch_twin_fields():
     m = fl.LinearCrossEntropyLoss(24, 101, bias=True, dtype=torch.float64, z_loss=1e-3,
-                                  accumulation_dtype=torch.float64)
+                                  accumulation_dtype=torch.float64, logit_scale=0.5, softcap=4.0)
     assert m.linear.weight.shape == (101, 24) and m.linear.weight.dtype == torch.float64
+    assert "softcap=4.0" in repr(m)
     x = torch.randn(7, 24, dtype=torch.float64)
     t = _targets(7, 101)
-    torch.testing.assert_close(m(x, t), stock_loss(x, m.linear.weight, t, m.linear.bias, z_loss=1e-3))
+    torch.testing.assert_close(m(x, t), stock_loss(x, m.linear.weight, t, m.linear.bias, z_loss=1e-3,
+                                                   logit_scale=0.5, softcap=4.0))
 
 
 # ----------------------------------------------------------------------------- GPU (the `cuda` tests)
@@ -697,6 +741,8 @@ def test_cuda_parity(dtype, n_classes):
     q = _probabilities(300, n_classes, device="cuda").to(dtype)
     _check(x, w, q, b, weight=cw, chunk_size=128, reduction="sum", label_smoothing=0.1)
     _check(x, w, q, None, chunk_size=128, reduction="none")
+    _check(x, w, t, b, chunk_size=128, reduction="mean", label_smoothing=0.1, logit_scale=0.25, softcap=3.0)
+    _check(x, w, t, None, reduction="sum", softcap=1.5)
 
 
 def _peak_extra(fn) -> int:

@@ -30,8 +30,13 @@ Kernels, working on (BLOCK_M rows x BLOCK_N columns) tiles and looping over the 
   (g_r / denominator for "mean") and, when asked, g_r * dloss/dq. The output is a new tensor for
   ``fl.cross_entropy``; ``linear_cross_entropy`` writes it over its own logits chunk (``out=x``).
 
-Each variant is a constexpr flag (``HAS_SMOOTHING``, ``HAS_Z``, ``HAS_WEIGHT``, ``SOFT``, ``TARGET_GRAD``):
-the plain class-index case compiles to the same code as before weights and probabilities existed.
+Each variant is a constexpr flag (``HAS_SMOOTHING``, ``HAS_Z``, ``HAS_WEIGHT``, ``SOFT``, ``TARGET_GRAD``,
+``HAS_SCALE``, ``HAS_SOFTCAP``): the plain class-index case compiles to the same code as before weights and
+probabilities existed.
+
+Logit transform (``linear_cross_entropy``'s ``logit_scale`` and ``softcap``, as model heads that scale or
+soft-cap their logits): the loss above is taken of z = scale * x, then z = softcap * tanh(z / softcap), applied
+as each block is loaded; the gradient is that of z times dz/dx = scale sech^2(scale x / softcap).
 
 Long rows (CUDA) run one row per program with (BLOCK_N, num_warps) autotuned once per size class and flags;
 the choice is cached and later launches skip the autotuner. In-place launches never autotune (a tuning run
@@ -56,7 +61,7 @@ LONG_ROW = 4096
 LONG_ROW_CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)]
 # Untuned (BLOCK_N, num_warps) for long rows, by kernel: the autotuner's picks on an H200 for 32K-128K rows.
 DEFAULT_LONG_ROW = {"fwd": (8192, 8), "bwd": (16384, 32)}
-FLAGS = ("HAS_SMOOTHING", "HAS_Z", "HAS_WEIGHT", "SOFT", "TARGET_GRAD")
+FLAGS = ("HAS_SMOOTHING", "HAS_Z", "HAS_WEIGHT", "SOFT", "TARGET_GRAD", "HAS_SCALE", "HAS_SOFTCAP")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -83,6 +88,31 @@ def _class_weight(w_ptr, t, valid, in_range, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _transform(x, mask, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The logits the loss sees (fp32): scale * x, then softcap * tanh(. / softcap); -inf where ``mask`` is off
+    (scale > 0 keeps a masked -inf load at -inf; tanh would not)."""
+    if HAS_SCALE:
+        x = x * scale
+    if HAS_SOFTCAP:
+        x = tl.where(mask, softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0), float("-inf"))
+    return x
+
+
+@triton.jit
+def _slope(x, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dz/dx of the transform at the raw logits x: scale sech^2(scale x / softcap) written as 4 e / (1 + e)^2,
+    e = exp(-2 |.|), with no cancellation where tanh saturates (1 - tanh^2 would lose it all there)."""
+    if HAS_SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(x * scale / softcap))
+        slope = 4.0 * e / ((1.0 + e) * (1.0 + e))
+        if HAS_SCALE:
+            slope = slope * scale
+    else:
+        slope = tl.full(x.shape, scale, tl.float32)
+    return slope
+
+
+@triton.jit
 def _split_lse(m, s):
     """logsumexp = m + log(s) as hi + lo: hi its fp32 rounding, lo the rest (m - hi is exact), so that L - x and
     x - L keep fp32's precision relative to the result even where |L| is large. Rows that saw no finite value
@@ -95,8 +125,9 @@ def _split_lse(m, s):
 
 
 @triton.jit
-def _row_stats(x_ptr, w_ptr, rows64, active, n_cols, stride_xr, stride_xc,
-               HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_stats(x_ptr, w_ptr, rows64, active, n_cols, stride_xr, stride_xc, scale, softcap,
+               HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """logsumexp L (hi, lo) of each active row, reading it once (online softmax); when smoothing, also
     sum_c w_c (L - x_c) and W = sum_c w_c (w = 1 without weights), the first kept relative to the running max."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -110,6 +141,7 @@ def _row_stats(x_ptr, w_ptr, rows64, active, n_cols, stride_xr, stride_xc,
         in_cols = cols < n_cols
         mask = active[:, None] & in_cols[None, :]
         x = tl.load(base + cols[None, :] * stride_xc, mask=mask, other=float("-inf")).to(tl.float32)
+        x = _transform(x, mask, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows not (yet) seen: keep s = 0, no NaN
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
@@ -132,7 +164,8 @@ def _row_stats(x_ptr, w_ptr, rows64, active, n_cols, stride_xr, stride_xc,
 
 @triton.jit
 def _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, active, n_cols, stride_xr, stride_xc, stride_tr, stride_tc,
-                    smoothing, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    smoothing, scale, softcap, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """Probability targets: L (hi, lo), sum_c w_c q'_c (L - x_c) (kept relative to the running max) and
     S = sum_c w_c q'_c."""
@@ -148,6 +181,7 @@ def _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, active, n_cols, stride_xr, stri
         in_cols = cols < n_cols
         mask = active[:, None] & in_cols[None, :]
         x = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=float("-inf")).to(tl.float32)
+        x = _transform(x, mask, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         q = tl.load(t_base + cols[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
         if HAS_SMOOTHING:
             q = q * (1.0 - smoothing) + smoothing / n_cols
@@ -175,29 +209,31 @@ def _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, active, n_cols, stride_xr, stri
 @triton.jit
 def _ce_fwd_kernel(
     x_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, aux_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_tr, stride_tc,
-    stride_lse, ignore_index, smoothing, z_loss, cols_key, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    stride_lse, ignore_index, smoothing, z_loss, scale, softcap, cols_key, HAS_SMOOTHING: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)
     in_rows = rows < n_rows
     if SOFT:
         hi, lo, loss, sum_q = _soft_row_stats(x_ptr, t_ptr, w_ptr, rows64, in_rows, n_cols, stride_xr, stride_xc,
-                                              stride_tr, stride_tc, smoothing, HAS_SMOOTHING, HAS_WEIGHT, BLOCK_M,
-                                              BLOCK_N)
+                                              stride_tr, stride_tc, smoothing, scale, softcap, HAS_SMOOTHING,
+                                              HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
         if HAS_Z:
             loss += z_loss * (hi + lo) * (hi + lo)
         tl.store(aux_ptr + rows64, sum_q, mask=in_rows)
     else:
         t, valid, in_range = _targets(t_ptr, rows, n_rows, n_cols, stride_tr, ignore_index)
-        hi, lo, smooth, sum_w = _row_stats(x_ptr, w_ptr, rows64, valid, n_cols, stride_xr, stride_xc,
-                                           HAS_SMOOTHING, HAS_WEIGHT, BLOCK_M, BLOCK_N)
+        hi, lo, smooth, sum_w = _row_stats(x_ptr, w_ptr, rows64, valid, n_cols, stride_xr, stride_xc, scale,
+                                           softcap, HAS_SMOOTHING, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, BLOCK_M,
+                                           BLOCK_N)
         hi = tl.where(valid, hi, 0.0)
         lo = tl.where(valid, lo, 0.0)
         w_t = _class_weight(w_ptr, t, valid, in_range, HAS_WEIGHT)
         x_t = tl.load(x_ptr + rows64 * stride_xr + tl.where(in_range, t, 0) * stride_xc,
                       mask=valid & in_range, other=0.0).to(tl.float32)
+        x_t = _transform(x_t, valid & in_range, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         if HAS_WEIGHT:
             loss = (1.0 - smoothing) * w_t * ((hi - x_t) + lo)
         else:
@@ -218,9 +254,10 @@ def _ce_fwd_kernel(
 @triton.jit
 def _ce_bwd_kernel(
     x_ptr, t_ptr, w_ptr, lse_ptr, aux_ptr, g_ptr, denom_ptr, dx_ptr, dt_ptr, n_rows, n_cols, stride_xr, stride_xc,
-    stride_tr, stride_tc, stride_g, stride_dr, stride_dtr, stride_lse, ignore_index, smoothing, z_loss, cols_key,
-    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_tr, stride_tc, stride_g, stride_dr, stride_dtr, stride_lse, ignore_index, smoothing, z_loss, scale,
+    softcap, cols_key, MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, SOFT: tl.constexpr, TARGET_GRAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dx = g_r * dloss_r/dx (and dq = g_r * dloss_r/dq for TARGET_GRAD), g_r = g[r * stride_g] (stride 0: one
     factor for all rows), / denominator if MEAN."""
@@ -245,7 +282,8 @@ def _ce_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols < n_cols
             mask = in_rows[:, None] & in_cols[None, :]
-            x = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            raw = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            x = _transform(raw, mask, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             q = tl.load(t_base + cols[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
             if HAS_SMOOTHING:
                 q = q * (1.0 - smoothing) + smoothing / n_cols
@@ -253,6 +291,8 @@ def _ce_bwd_kernel(
                 w = tl.load(w_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
                 q = q * w[None, :]
             d = a[:, None] * tl.exp((x - hi[:, None]) - lo[:, None]) - g[:, None] * q
+            if HAS_SCALE or HAS_SOFTCAP:
+                d = d * _slope(raw, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             tl.store(dx_base + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=mask)
             if TARGET_GRAD:
                 dq = (g * (1.0 - smoothing))[:, None] * ((hi[:, None] - x) + lo[:, None])
@@ -283,7 +323,8 @@ def _ce_bwd_kernel(
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols[None, :] < n_cols
-            x = tl.load(x_base + cols[None, :] * stride_xc, mask=valid[:, None] & in_cols, other=0.0).to(tl.float32)
+            raw = tl.load(x_base + cols[None, :] * stride_xc, mask=valid[:, None] & in_cols, other=0.0)
+            x = _transform(raw.to(tl.float32), valid[:, None] & in_cols, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             d = a[:, None] * tl.exp((x - hi[:, None]) - lo[:, None])
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
@@ -292,6 +333,8 @@ def _ce_bwd_kernel(
                 else:
                     d -= c_smooth[:, None]
             d = tl.where(cols[None, :] == t[:, None], d - c_target[:, None], d)
+            if HAS_SCALE or HAS_SOFTCAP:
+                d = d * _slope(raw.to(tl.float32), scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             d = tl.where(valid[:, None], d, 0.0)
             tl.store(dx_base + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols)
 
@@ -386,9 +429,10 @@ def needs_aux(soft: bool, has_weight: bool, smoothing: float) -> bool:
     return soft or (has_weight and smoothing != 0.0)
 
 
-def _consts(smoothing: float, z_loss: float, weight, soft: bool, target_grad: bool = False) -> dict:
+def _consts(smoothing: float, z_loss: float, weight, soft: bool, target_grad: bool, scale: float,
+            softcap: float | None) -> dict:
     return dict(HAS_SMOOTHING=smoothing != 0.0, HAS_Z=z_loss != 0.0, HAS_WEIGHT=weight is not None, SOFT=soft,
-                TARGET_GRAD=target_grad)
+                TARGET_GRAD=target_grad, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
 
 
 def _target_strides(target: torch.Tensor) -> tuple[int, int]:
@@ -403,14 +447,15 @@ def _target_strides(target: torch.Tensor) -> tuple[int, int]:
 def cross_entropy_forward(
     x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float,
     loss: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, weight: torch.Tensor | None = None,
-    aux: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None, scale: float = 1.0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row loss (fp32, (rows,)), logsumexp (fp32, (2, rows): hi and lo, the value is hi + lo) and aux (fp32,
     (rows,); None where the backward needs none) of 2-D logits ``x`` (any strides) and ``target``: 1-D class
     indices or 2-D (rows, C) probabilities (any strides).
 
     ``weight``: None or contiguous fp32 (C,) class weights. ``loss``/``lse``/``aux``: optional fp32 outputs to
-    write into (unit stride along the rows).
+    write into (unit stride along the rows). ``scale`` (> 0), ``softcap`` (None or > 0): the logit transform
+    (see the module's docstring).
     """
     n_rows, n_cols = x.shape
     soft = target.is_floating_point()
@@ -426,8 +471,8 @@ def cross_entropy_forward(
     stride_tr, stride_tc = _target_strides(target)
     args = (x, target, weight if weight is not None else loss, loss, lse, aux if aux is not None else loss, n_rows,
             n_cols, x.stride(0), x.stride(1), stride_tr, stride_tc, lse.stride(0), ignore_index, float(smoothing),
-            float(z_loss), next_power_of_2(n_cols))
-    _launch("fwd", x, args, _consts(smoothing, z_loss, weight, soft))
+            float(z_loss), float(scale), float(softcap or 1.0), next_power_of_2(n_cols))
+    _launch("fwd", x, args, _consts(smoothing, z_loss, weight, soft, False, scale, softcap))
     return loss, lse, aux
 
 
@@ -452,6 +497,7 @@ def cross_entropy_backward(
     grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, ignore_index: int,
     smoothing: float, z_loss: float, out: torch.Tensor, denom: torch.Tensor | None = None, *,
     weight: torch.Tensor | None = None, aux: torch.Tensor | None = None, grad_target: torch.Tensor | None = None,
+    scale: float = 1.0, softcap: float | None = None,
 ) -> torch.Tensor:
     """Write g_r * d loss_r / d x into ``out`` (2-D, unit column stride) and return it. ``out`` may be ``x``
     itself when the caller owns ``x`` (each element is read before it is written, by the same program).
@@ -474,7 +520,8 @@ def cross_entropy_backward(
             denom if denom is not None else grad, out, grad_target if grad_target is not None else out, n_rows,
             n_cols, x.stride(0), x.stride(1), stride_tr, stride_tc, stride_g, out.stride(0),
             grad_target.stride(0) if grad_target is not None else 0, lse.stride(0), ignore_index, float(smoothing),
-            float(z_loss), next_power_of_2(n_cols))
-    consts = dict(MEAN=denom is not None, **_consts(smoothing, z_loss, weight, soft, grad_target is not None))
+            float(z_loss), float(scale), float(softcap or 1.0), next_power_of_2(n_cols))
+    consts = dict(MEAN=denom is not None, **_consts(smoothing, z_loss, weight, soft, grad_target is not None, scale,
+                                                    softcap))
     _launch("bwd", x, args, consts, may_tune=not in_place)
     return out

@@ -41,8 +41,12 @@ def _transform(x, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
     """z of raw logits x (fp32), and dz/dx."""
     u = x * scale
     if HAS_SOFTCAP:
-        c = 2.0 * tl.sigmoid(2.0 * u / softcap) - 1.0  # tanh(u / softcap)
-        return softcap * c * inv_t, scale * inv_t * (1.0 - c * c)
+        # tanh(v) and sech^2(v) from e = exp(-2 |v|): 1 - tanh^2 would cancel to nothing where tanh saturates
+        v = u / softcap
+        e = tl.exp(-2.0 * tl.abs(v))
+        c = (1.0 - e) / (1.0 + e)
+        c = tl.where(v < 0, -c, c)
+        return softcap * c * inv_t, scale * inv_t * 4.0 * e / ((1.0 + e) * (1.0 + e))
     return u * inv_t, scale * inv_t + 0.0 * u
 
 

@@ -7,8 +7,10 @@ Ops (2-D input (N, H), linear_weight (V, H), linear_bias (V,) or None, target (N
 class probabilities, weight (V,) class weights or None; ``fusedlayers.functional`` reshapes and validates):
 
 - ``linear_cross_entropy(input, linear_weight, target, linear_bias, weight, ignore_index, reduction,
-  label_smoothing, z_loss, chunk_size, compute_dtype, accumulation_dtype, out_dtype, allow_retain_graph,
-  grad_input, grad_weight, grad_bias, grad_target) -> (loss, lse, aux, gx, gw, gb, gt)``.
+  label_smoothing, z_loss, logit_scale, softcap, chunk_size, compute_dtype, accumulation_dtype, out_dtype,
+  allow_retain_graph, grad_input, grad_weight, grad_bias, grad_target) -> (loss, lse, aux, gx, gw, gb, gt)``.
+  The loss is taken of the transformed logits z = logit_scale * logits, then softcap * tanh(z / softcap)
+  (``softcap`` None: none), as model heads that scale or soft-cap their logits (Cohere, Granite, Gemma 2).
   The matmuls run in ``compute_dtype`` (the autocast dtype under autocast, else the inputs' dtype: input,
   linear_weight and bias are cast to it chunk by chunk, the weight once; on CPU fp16/bf16 run in fp32, see
   :func:`matmul_dtype`). For "mean"/"sum" with any of the
@@ -134,12 +136,26 @@ def _chunk_for(chunk_size: int, input: Tensor, linear_weight: Tensor, compute_dt
 # ----------------------------------------------------------------------------- the chunk loop
 
 
-def _chunk_ce_forward(use_kernels, logits, target, weight, ignore_index, smoothing, z_loss, loss_out, lse_out,
-                      aux_out):
+def transform_reference(x: Tensor, scale: float, softcap: float | None, temperature: float = 1.0
+                        ) -> tuple[Tensor, Tensor]:
+    """z = scale * x, soft-capped to softcap * tanh(z / softcap) (softcap None: not), / temperature, of logits x
+    (already in the accumulation dtype), and dz/dx."""
+    u = x * scale
+    if softcap is None:
+        return u / temperature, torch.full_like(u, scale / temperature)
+    v = u / softcap
+    # sech^2 rather than 1 - tanh^2, which cancels to nothing where tanh saturates
+    return softcap * torch.tanh(v) / temperature, (scale / temperature) * torch.cosh(v).pow(-2)
+
+
+def _chunk_ce_forward(use_kernels, logits, target, weight, ignore_index, smoothing, z_loss, transform, loss_out,
+                      lse_out, aux_out):
     if use_kernels:
         ce_kernels.cross_entropy_forward(logits, target, ignore_index, smoothing, z_loss, loss_out, lse_out,
-                                         weight=weight, aux=aux_out)
+                                         weight=weight, aux=aux_out, scale=transform[0], softcap=transform[1])
         return
+    if transform != (1.0, None):
+        logits, _ = transform_reference(logits.to(_accumulator(logits.dtype)), *transform)
     loss, lse, aux = ce.cross_entropy_rows_reference(logits, target, weight, ignore_index, smoothing, z_loss)
     loss_out.copy_(loss)
     lse_out.copy_(lse)
@@ -148,7 +164,7 @@ def _chunk_ce_forward(use_kernels, logits, target, weight, ignore_index, smoothi
 
 
 def _chunk_ce_backward_(use_kernels, logits, target, weight, lse, aux, g, ignore_index, smoothing, z_loss,
-                        grad_target_out):
+                        transform, grad_target_out):
     """g * dloss/dlogits from lse (and aux), written over ``logits`` (our own buffer); g * dloss/dtarget into
     ``grad_target_out`` when given (probabilities).
 
@@ -157,12 +173,16 @@ def _chunk_ce_backward_(use_kernels, logits, target, weight, lse, aux, g, ignore
     that re-reads each row for its second sweep (measured while developing)."""
     if use_kernels:
         ce_kernels.cross_entropy_backward(g, logits, target, lse, ignore_index, smoothing, z_loss, out=logits,
-                                          weight=weight, aux=aux, grad_target=grad_target_out)
+                                          weight=weight, aux=aux, grad_target=grad_target_out, scale=transform[0],
+                                          softcap=transform[1])
         return
     g_rows = g.expand(logits.shape[0]) if g.dim() == 0 else g
-    d, dq = ce.cross_entropy_grad_reference(g_rows, logits, target, weight, lse, aux, ignore_index, smoothing,
+    z, slope = logits, None
+    if transform != (1.0, None):
+        z, slope = transform_reference(logits.to(_accumulator(logits.dtype)), *transform)
+    d, dq = ce.cross_entropy_grad_reference(g_rows, z, target, weight, lse, aux, ignore_index, smoothing,
                                             z_loss, grad_target_out is not None)
-    logits.copy_(d)
+    logits.copy_(d if slope is None else d * slope)
     if grad_target_out is not None:
         grad_target_out.copy_(dq)
 
@@ -197,13 +217,14 @@ def chunked_linear_cross_entropy(
     ignore_index: int, smoothing: float, z_loss: float, chunk_size: int, compute_dtype: torch.dtype,
     accumulation_dtype: torch.dtype, row_grad: Tensor | None, need_gx: bool, need_gw: bool, need_gb: bool,
     need_gt: bool, lse_in: Tensor | None = None, aux_in: Tensor | None = None,
+    transform: tuple[float, float | None] = (1.0, None),
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """The loop over row chunks shared by every op here (Triton CE kernels or the PyTorch reference).
 
     Returns (loss rows, lse, aux, gx, gw, gb, gt). ``row_grad``: None -> loss, lse and aux only. Else the factor
     of each row's gradient (0-d or (N,)), and the gradients wanted are computed in the same pass: gx (input
     dtype), gt (target dtype), gw (``accumulation_dtype``) and gb (fp32 / fp64). ``lse_in``, ``aux_in``: saved
-    by the forward (backward): the loss is not recomputed.
+    by the forward (backward): the loss is not recomputed. ``transform``: (logit_scale, softcap).
 
     Runs with autocast off: the op's dtypes are already chosen (``compute_dtype``), and autocast would otherwise
     recast the matmuls here (the grad_weight accumulation included) when the op is called inside an autocast
@@ -247,18 +268,18 @@ def chunked_linear_cross_entropy(
             logits = chunk_logits_(buffer[: stop - start], x_c, weight_t, b)
             aux_c = aux[start:stop] if aux is not None else None
             if row_grad is None:
-                _chunk_ce_forward(use_kernels, logits, t_c, class_weight, ignore_index, smoothing, z_loss,
+                _chunk_ce_forward(use_kernels, logits, t_c, class_weight, ignore_index, smoothing, z_loss, transform,
                                   loss[start:stop], lse[:, start:stop], aux_c)
                 continue
             g = row_grad if row_grad.dim() == 0 else row_grad[start:stop]
             if lse_in is None:
-                _chunk_ce_forward(use_kernels, logits, t_c, class_weight, ignore_index, smoothing, z_loss,
+                _chunk_ce_forward(use_kernels, logits, t_c, class_weight, ignore_index, smoothing, z_loss, transform,
                                   loss[start:stop], lse[:, start:stop], aux_c)
                 lse_c = lse[:, start:stop]
             else:
                 lse_c, aux_c = lse_in[:, start:stop], aux_in[start:stop] if aux_in is not None else None
             _chunk_ce_backward_(use_kernels, logits, t_c, class_weight, lse_c, aux_c, g, ignore_index, smoothing,
-                                z_loss, gt[start:stop] if gt is not None else None)
+                                z_loss, transform, gt[start:stop] if gt is not None else None)
             if gx is not None:
                 if gx_chunk is None:
                     torch.mm(logits, w, out=gx[start:stop])
@@ -296,9 +317,10 @@ def _flags(target: Tensor, linear_bias, grad_input, grad_weight, grad_bias, grad
 @custom_op("fusedlayers::linear_cross_entropy")
 def linear_cross_entropy(
     input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None, weight: Tensor | None,
-    ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, chunk_size: int,
-    compute_dtype: torch.dtype, accumulation_dtype: torch.dtype, out_dtype: torch.dtype, allow_retain_graph: bool,
-    grad_input: bool, grad_weight: bool, grad_bias: bool, grad_target: bool,
+    ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, logit_scale: float,
+    softcap: float | None, chunk_size: int, compute_dtype: torch.dtype, accumulation_dtype: torch.dtype,
+    out_dtype: torch.dtype, allow_retain_graph: bool, grad_input: bool, grad_weight: bool, grad_bias: bool,
+    grad_target: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     n_classes = linear_weight.shape[0]
     ce.check_targets(target, n_classes, ignore_index)
@@ -309,7 +331,7 @@ def linear_cross_entropy(
     row_grad = _grad_factor(reduction, target, weight, ignore_index, n_classes, acc) if precompute else None
     loss_rows, lse, aux, gx, gw, gb, gt = chunked_linear_cross_entropy(
         input, linear_weight, target, linear_bias, weight, ignore_index, label_smoothing, z_loss, chunk_size,
-        compute_dtype, accumulation_dtype, row_grad, *flags,
+        compute_dtype, accumulation_dtype, row_grad, *flags, transform=(logit_scale, softcap),
     )
     denom = ce.denominator_reference(target, weight, ignore_index, n_classes, acc) if reduction == "mean" else None
     loss = ce.reduce_rows(loss_rows, denom, reduction, out_dtype)
@@ -322,8 +344,8 @@ def linear_cross_entropy(
 
 @linear_cross_entropy.register_fake
 def _(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss,
-      chunk_size, compute_dtype, accumulation_dtype, out_dtype, allow_retain_graph, grad_input, grad_weight,
-      grad_bias, grad_target):
+      logit_scale, softcap, chunk_size, compute_dtype, accumulation_dtype, out_dtype, allow_retain_graph, grad_input,
+      grad_weight, grad_bias, grad_target):
     n_rows, n_classes = input.shape[0], linear_weight.shape[0]
     acc = _accumulator(compute_dtype)
     soft = target.is_floating_point()
@@ -340,7 +362,8 @@ def _(input, linear_weight, target, linear_bias, weight, ignore_index, reduction
 
 def _setup_context(ctx, inputs, output):
     (input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss,
-     chunk_size, compute_dtype, accumulation_dtype, _, allow_retain_graph, *grad_flags) = inputs
+     logit_scale, softcap, chunk_size, compute_dtype, accumulation_dtype, _, allow_retain_graph,
+     *grad_flags) = inputs
     _, lse, aux, gx, gw, gb, gt = output
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero-filled (V, H) gradient for the gw output
@@ -353,7 +376,8 @@ def _setup_context(ctx, inputs, output):
                   target.dtype)
     ctx.allow_retain_graph = allow_retain_graph
     ctx.consumed = False
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, chunk_size, compute_dtype, accumulation_dtype)
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, logit_scale, softcap, chunk_size, compute_dtype,
+                accumulation_dtype)
     # Gradients that may be asked for but were not computed in the forward (the op called directly with a
     # grad_* flag off for an input that requires grad) are recomputed from the inputs and the lse.
     requires = [input.requires_grad, linear_weight.requires_grad,
@@ -408,8 +432,8 @@ def _autograd(ctx, grad, *_unused):
             recomputed = call(linear_cross_entropy_backward, grad, input, linear_weight, target, linear_bias, weight,
                               lse, aux, *ctx.args, *rest)
             outs = [r if need else o for o, r, need in zip(outs, recomputed, rest, strict=True)]
-    # inputs: input, linear_weight, target, linear_bias, weight, then 13 non-tensor arguments
-    return (outs[0], outs[1], outs[3], outs[2]) + (None,) * 14
+    # inputs: input, linear_weight, target, linear_bias, weight, then 15 non-tensor arguments
+    return (outs[0], outs[1], outs[3], outs[2]) + (None,) * 16
 
 
 register_autograd(linear_cross_entropy, _autograd, _setup_context)
@@ -435,8 +459,8 @@ def _(buffer, grad, dtype):
 def linear_cross_entropy_backward(
     grad: Tensor, input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Tensor | None,
     weight: Tensor | None, lse: Tensor, aux: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-    z_loss: float, chunk_size: int, compute_dtype: torch.dtype, accumulation_dtype: torch.dtype, grad_input: bool,
-    grad_weight: bool, grad_bias: bool, grad_target: bool,
+    z_loss: float, logit_scale: float, softcap: float | None, chunk_size: int, compute_dtype: torch.dtype,
+    accumulation_dtype: torch.dtype, grad_input: bool, grad_weight: bool, grad_bias: bool, grad_target: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n_classes = linear_weight.shape[0]
     chunk_size = _chunk_for(chunk_size, input, linear_weight, compute_dtype, accumulation_dtype)
@@ -446,7 +470,7 @@ def linear_cross_entropy_backward(
     *_, gx, gw, gb, gt = chunked_linear_cross_entropy(
         input, linear_weight, target, linear_bias, weight, ignore_index, label_smoothing, z_loss, chunk_size,
         compute_dtype, accumulation_dtype, row_grad, grad_input, grad_weight, grad_bias, grad_target,
-        lse_in=lse, aux_in=aux if has_aux else None,
+        lse_in=lse, aux_in=aux if has_aux else None, transform=(logit_scale, softcap),
     )
     return (
         gx if gx is not None else input.new_empty((0,)),
@@ -458,7 +482,8 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _(grad, input, linear_weight, target, linear_bias, weight, lse, aux, ignore_index, reduction, label_smoothing,
-      z_loss, chunk_size, compute_dtype, accumulation_dtype, grad_input, grad_weight, grad_bias, grad_target):
+      z_loss, logit_scale, softcap, chunk_size, compute_dtype, accumulation_dtype, grad_input, grad_weight,
+      grad_bias, grad_target):
     gx = input.new_empty(input.shape) if grad_input else input.new_empty((0,))
     gw = linear_weight.new_empty(linear_weight.shape) if grad_weight else linear_weight.new_empty((0,))
     has_gb = grad_bias and linear_bias is not None

@@ -37,6 +37,7 @@ from fusedlayers.ops.linear_cross_entropy import (
     chunk_logits_,
     default_chunk_size,
     matmul_dtype,
+    transform_reference,
 )
 
 try:
@@ -50,20 +51,11 @@ STATS = ("mean_logits", "log_sum_sq_probs", "is_top1")
 # ----------------------------------------------------------------------------- the PyTorch reference, per chunk
 
 
-def _transform_reference(x: Tensor, scale: float, softcap: float | None, temperature: float) -> tuple[Tensor, Tensor]:
-    """z of the logits x (already in the accumulation dtype) and dz/dx."""
-    u = x * scale
-    if softcap is None:
-        return u / temperature, torch.full_like(u, scale / temperature)
-    c = torch.tanh(u / softcap)
-    return softcap * c / temperature, (scale / temperature) * (1 - c * c)
-
-
 def log_probs_rows_reference(logits: Tensor, target: Tensor, ignore_index: int, scale: float, softcap: float | None,
                              temperature: float, acc: torch.dtype, lp: Tensor, lse: Tensor, entropy: Tensor | None,
                              stats: Tensor | None) -> None:
     """The forward kernel's outputs, written out in PyTorch (targets already checked to be in range)."""
-    z, _ = _transform_reference(logits.to(acc), scale, softcap, temperature)
+    z, _ = transform_reference(logits.to(acc), scale, softcap, temperature)
     valid = target != ignore_index
     m = z.amax(1).clamp_min(torch.finfo(acc).min)  # a finite shift, as the kernel's
     log_s = torch.logsumexp(z - m[:, None], 1)
@@ -86,7 +78,7 @@ def log_probs_grad_reference(logits: Tensor, target: Tensor, ignore_index: int, 
                              temperature: float, acc: torch.dtype, lse: Tensor, entropy: Tensor | None,
                              g: Tensor | None, h: Tensor | None) -> Tensor:
     """dloss/dlogits of a chunk for per-row gradients g (of the log-prob) and h (of the entropy), in ``acc``."""
-    z, dz_dx = _transform_reference(logits.to(acc), scale, softcap, temperature)
+    z, dz_dx = transform_reference(logits.to(acc), scale, softcap, temperature)
     rel = (z - lse[0][:, None]) - lse[1][:, None]
     p = rel.exp()
     valid = target != ignore_index
