@@ -467,18 +467,15 @@ def test_gemma2_softcap_is_fused(padding, counters):
 
 
 @needs_transformers
-def test_gemma2_final_logit_softcap_keeps_the_stock_loss(counters):
-    """With Gemma 2's defaults the attention is ours (soft-capped) and the loss the stock forward's (final-logit
-    soft-capping, which fl.linear_cross_entropy does not do): the same loss as the stock model."""
-    model, _ = _tiny("gemma2")
-    stock = copy.deepcopy(model)
-    flt.apply(model, norm=False, mlp=False, rotary=False)
-    batch = _batch("none")
-    out = model(**batch)
-    assert flt.fallbacks == {"final_logit_softcapping": 1}
-    assert len(counters["attention"]) == model.config.num_hidden_layers and counters["loss"] == 0
-    assert out.logits is not None  # the stock forward
-    torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=1e-5, atol=1e-5)
+def test_gemma2_final_logit_softcap_is_fused(counters):
+    """Gemma 2's defaults: attention soft-capped and the final logits soft-capped (fl.linear_cross_entropy's
+    ``softcap``), both ours, from the first call (the config announces the cap)."""
+    model, stock, reference, loss, stock_loss, ref_loss = _check_parity("gemma2", "left", counters,
+                                                                        final_logit_softcapping=2.0)
+    assert len(counters["attention"]) == model.config.num_hidden_layers and not flt.fallbacks
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach(), "loss")
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
 
 
 @needs_transformers
@@ -557,11 +554,45 @@ def test_bfloat16_loss_is_fp32_and_matches_stock(counters):
 
 
 @needs_transformers
-def test_logits_postprocessing_is_detected(counters):
-    """Cohere scales the logits after lm_head: the first call finds it (after computing, inside the head's call, a
-    fused loss that it then discards) and is recomputed by the stock forward; later calls go straight to stock."""
+def test_scaled_logits_are_fused(counters):
+    """Cohere scales the logits after lm_head by its config's logit_scale: the fused loss takes the same scale (and
+    return_logits gives the model's scaled logits)."""
+    model, _ = _tiny("cohere", logit_scale=0.3)
+    model = model.double()
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    for _ in range(2):  # fp64: the fused loss in fp64 (stock rounds the logits to fp32 first)
+        out = model(**batch, return_logits=True)
+        torch.testing.assert_close(out.loss, _reference_loss(stock, batch), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out.logits, stock(**batch).logits, rtol=1e-12, atol=1e-12)
+    assert flt.fallbacks == {} and counters["loss"] == 2
+
+
+@needs_transformers
+def test_logit_transform_learned_from_the_model_not_its_config(counters):
+    """A scale the config does not announce (changed on the module after construction) is found on the first call,
+    which is recomputed by the stock forward; from the next call the fused loss takes it."""
     model, _ = _tiny("cohere")
     model = model.double()
+    model.logit_scale = 0.7
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    assert model(**batch).loss.item() == stock(**batch).loss.item()  # the stock forward's
+    for _ in range(2):
+        torch.testing.assert_close(model(**batch).loss, _reference_loss(stock, batch), rtol=1e-12, atol=1e-12)
+    assert flt.fallbacks == {"logit_transform": 1} and counters["loss"] == 3  # 1 discarded, then 2 kept
+
+
+@needs_transformers
+def test_logits_postprocessing_other_than_scale_and_cap_is_detected(counters):
+    """A learned scale (a parameter: not a constant transform) is not ours: the first call finds it (after computing,
+    inside the head's call, a fused loss that it then discards) and is recomputed by the stock forward; later calls
+    go straight to stock, with the scale's gradient."""
+    model, _ = _tiny("cohere")
+    model = model.double()
+    model.logit_scale = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
     stock = copy.deepcopy(model)
     flt.apply(model)
     batch = _batch("left")

@@ -53,7 +53,7 @@ COUNTED = ("scaled_dot_product_attention", "varlen_attention", "linear_cross_ent
            "swiglu", "rotary_embedding")
 ATTENTION_REASONS = ("softcap", "sinks", "position_bias", "mask_type", "layout", "dtype", "head_dim",
                      "sliding_window", "mask_shape")
-LOSS_REASONS = ("final_logit_softcapping", "lm_head", "loss_function", "logits_postprocessed")
+LOSS_REASONS = ("lm_head", "loss_function", "logits_postprocessed")
 
 # Config fields set small where the config class has them (with an int default larger than this, or None where
 # marked in SHRINK_EVEN_IF_NONE). Values chosen so that the usual constraints hold: hidden = heads x head_dim,
@@ -849,7 +849,8 @@ def diagnose(r: Result) -> list:
     out = []
     if r.loss_kind and r.loss_kind != "causal" and r.calls["linear_cross_entropy"]:
         out.append(f"the stock loss is not ForCausalLMLoss ({r.loss_kind[7:]}) but the fused loss ran: it computes "
-                   "ForCausalLMLoss (labels shifted left)")
+                   "ForCausalLMLoss (labels shifted left), or the unshifted cross-entropy where the forward's source "
+                   "is that")
     for kind, name, what in r.candidates:
         if what.startswith("SWAPPED"):
             out.append(f"{kind} `{name}` was swapped, {what[9:]}")

@@ -69,6 +69,7 @@ transformers 5.x (tested with 5.24 on CPU; the GPU machine has 5.17).
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import contextvars
@@ -77,7 +78,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import re
 import sys
+import textwrap
 import types
 import warnings
 import weakref
@@ -380,23 +383,72 @@ def _text_config(model):
 def _loss_fallback_reason(model, state) -> tuple[str, str] | None:
     if state.get("loss_unsupported"):
         return state["loss_unsupported"]
-    if getattr(_text_config(model), "final_logit_softcapping", None) is not None:
-        return "final_logit_softcapping", "final logit soft-capping is not supported by the fused loss"
     head = model.get_output_embeddings()
     # an nn.Linear subclass that keeps Linear's forward (FSDP2's FSDPLinear) computes what the fused loss does
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
         return "lm_head", f"the output embedding ({type(head).__name__}) is not a plain nn.Linear"
-    if model.loss_function is not ForCausalLMLoss or not _forward_uses_loss_function(type(model)):
-        return "loss_function", "the model's loss is not transformers' ForCausalLMLoss"
+    if _loss_kind(model) is None:
+        return "loss_function", ("the model's loss is neither transformers' ForCausalLMLoss nor a cross-entropy of "
+                                 "its unshifted labels")
+    return None
+
+
+def _loss_kind(model) -> str | None:
+    """"causal": the forward's loss is ``self.loss_function``, transformers' ForCausalLMLoss; "unshifted": a
+    ``CrossEntropyLoss()`` of the logits and the labels as given (the decoders of encoder-decoder families: BART,
+    Marian, Pegasus, Whisper, ...); else None."""
+    cls = type(model)
+    if _forward_uses_loss_function(cls):
+        return "causal" if model.loss_function is ForCausalLMLoss else None
+    if _forward_is_unshifted_cross_entropy(cls):
+        head = model.get_output_embeddings()
+        return "unshifted" if getattr(head, "out_features", None) == _text_config(model).vocab_size else None
     return None
 
 
 @functools.cache
 def _forward_uses_loss_function(cls) -> bool:
-    """Whether the class's forward computes its loss through ``self.loss_function`` (many encoder-decoder families'
-    decoders compute a cross-entropy of their own, on labels not shifted)."""
+    """Whether the class's forward computes its loss through ``self.loss_function``."""
     code = getattr(inspect.unwrap(cls.forward), "__code__", None)
     return code is not None and "loss_function" in code.co_names
+
+
+_UNSHIFTED_LOSS = re.compile(r"loss = (\w+)\(logits\.view\(-1, (self\.config\.vocab_size|logits\.size\(-1\))\), "
+                             r"labels\.view\(-1\)\)")
+
+
+@functools.cache
+def _forward_is_unshifted_cross_entropy(cls) -> bool:
+    """Whether the class's forward computes its loss as ``loss_fct = CrossEntropyLoss()`` then ``loss =
+    loss_fct(logits.view(-1, V), labels.view(-1))`` (the mean over the labels that are not -100, not shifted) and
+    uses ``labels`` for nothing else (read from its source: anything else keeps the stock loss)."""
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+    loss_fns, calls = set(), set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and ast.unparse(node.value) == "CrossEntropyLoss()":
+            loss_fns.update(ast.unparse(t) for t in node.targets)
+        if isinstance(node, (ast.If, ast.While)):  # a compound statement: its header only (its body is walked)
+            parts, allowed = [node.test], "labels is not None"
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            parts, allowed = [node.target, node.iter], None
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            parts, allowed = [item.context_expr for item in node.items], None
+        elif isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.Try)):
+            parts, allowed = [node], "labels = labels.to(logits.device)"
+        else:
+            continue
+        if not any(isinstance(n, ast.Name) and n.id == "labels" for part in parts for n in ast.walk(part)):
+            continue
+        text = " ".join(ast.unparse(part) for part in parts)
+        match = _UNSHIFTED_LOSS.fullmatch(text) if isinstance(node, ast.Assign) else None
+        if match:
+            calls.add(match.group(1))
+        elif text != allowed:
+            return False
+    return bool(calls) and calls <= loss_fns
 
 
 def _var_keyword(sig: inspect.Signature) -> str | None:
@@ -409,8 +461,104 @@ def _holds_cache(values) -> bool:
     return any(isinstance(v, Cache) for v in values)
 
 
-def _fused_lm_loss(hidden, head: nn.Linear, labels, loss_kwargs: dict) -> torch.Tensor:
-    """transformers' ForCausalLMLoss(head(hidden), labels, **loss_kwargs) without the logits."""
+# ----------------------------------------------------------------------------- logits the model post-processes
+
+
+class _LogitsProbe(torch.Tensor):
+    """What the output embedding returns to the model while the fused loss runs: a zero-width stand-in for the logits
+    that records the steps the model applies to it before returning it as its ``logits`` (Cohere's ``* logit_scale``,
+    Granite's ``/ logits_scaling``, Gemma 2's ``/ cap, tanh, * cap``), so that the loss can take the same transform
+    (:func:`_logit_transform`). ``steps``: (kind, value, func, args, kwargs) with the probe in args as None; only the
+    output embedding's placeholder and what derives from it are probes."""
+
+    steps: tuple = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        probes = [a for a in args if isinstance(a, _LogitsProbe)]
+        if isinstance(out, torch.Tensor) and len(probes) == 1:
+            step = (*_step_kind(func, args, kwargs), func, tuple(None if a is probes[0] else a for a in args), kwargs)
+            if out is not probes[0]:  # an in-place step returns the probe itself
+                out = out.as_subclass(cls)
+            out.steps = probes[0].steps + (step,)
+        return out
+
+
+_MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul_,
+        torch.Tensor.__imul__}
+_DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_, torch.Tensor.__itruediv__}
+_TANH = {torch.tanh, torch.Tensor.tanh, torch.Tensor.tanh_, nn.functional.tanh}
+_SAME = {torch.Tensor.float, torch.Tensor.contiguous, torch.Tensor.to}
+
+
+def _step_kind(func, args, kwargs) -> tuple[str, float | None]:
+    """("scale", s) for a multiplication of the probe by a constant s (a division: 1 / s), ("tanh", None),
+    ("same", None) for a cast to a floating dtype or a copy, else ("other", None)."""
+    others = [a for a in args if not isinstance(a, _LogitsProbe)]
+    if func in _TANH and not others and not kwargs:
+        return "tanh", None
+    if func in _SAME and all(isinstance(a, torch.dtype) and a.is_floating_point for a in others + [*kwargs.values()]):
+        return "same", None
+    if (func in _MUL or (func in _DIV and isinstance(args[0], _LogitsProbe))) and len(others) == 1 and not kwargs:
+        value = others[0]
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.requires_grad or not value.is_floating_point():
+                return "other", None  # a learned scale or a tensor of them: not a constant transform
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            return "scale", value if func in _MUL else 1.0 / value
+    return "other", None
+
+
+def _logit_transform(logits, placeholder) -> tuple[float, float | None] | None:
+    """(logit_scale, softcap) such that the model's logits are softcap * tanh(logit_scale * x / softcap) (softcap
+    None: logit_scale * x) of the head's output x, from the steps recorded on ``logits``; None if they are not of
+    that form (or ``logits`` does not come from the head's placeholder)."""
+    if not isinstance(logits, _LogitsProbe):
+        return (1.0, None) if logits is placeholder else None  # a plain placeholder: under torch.compile
+    inner, outer, capped = 1.0, 1.0, False  # logits = outer * tanh(inner * x) (capped), else inner * x
+    for kind, value, *_ in logits.steps:
+        if kind == "scale":
+            if capped:
+                outer *= value
+            else:
+                inner *= value
+        elif kind == "tanh" and not capped:
+            capped = True
+        elif kind != "same":
+            return None
+    return (inner * outer, outer) if capped else (inner, None)
+
+
+def _replay(logits: torch.Tensor, steps: tuple) -> torch.Tensor:
+    """The model's post-processing (the steps recorded on its logits) applied to real logits."""
+    for *_, func, args, kwargs in steps:
+        logits = func(*(logits if a is None else a for a in args), **kwargs)
+    return logits
+
+
+def _expected_transform(model) -> tuple[float, float | None]:
+    """The transform the config announces (Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``): the first call with labels assumes it, and each call checks it against the recorded steps."""
+    config = _text_config(model)
+    scale, cap = 1.0, getattr(config, "final_logit_softcapping", None)
+    for name, power in (("logit_scale", 1), ("logits_scaling", -1)):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            scale *= value**power
+    return scale, (float(cap) if isinstance(cap, (int, float)) and cap > 0 else None)
+
+
+def _fused_lm_loss(hidden, head: nn.Linear, labels, loss_kwargs: dict,
+                   transform: tuple[float, float | None] = (1.0, None), unshifted: bool = False) -> torch.Tensor:
+    """transformers' ForCausalLMLoss(head(hidden), labels, **loss_kwargs) without the logits; ``transform``: the
+    logits' (logit_scale, softcap). ``unshifted``: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``
+    instead (the labels as given, the mean, in the logits' dtype)."""
+    if unshifted:
+        loss_kwargs = {"shift_labels": labels}
     ignore_index = loss_kwargs.get("ignore_index", -100)
     num_items_in_batch = loss_kwargs.get("num_items_in_batch")
     shift_labels = loss_kwargs.get("shift_labels")
@@ -425,13 +573,14 @@ def _fused_lm_loss(hidden, head: nn.Linear, labels, loss_kwargs: dict) -> torch.
     upcast = hidden.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(device_type)
     with torch.autocast(device_type, dtype=hidden.dtype) if upcast else contextlib.nullcontext():
         loss = _fl.linear_cross_entropy(
-            rows, head.weight, shift_labels, linear_bias=head.bias, ignore_index=ignore_index, reduction=reduction
+            rows, head.weight, shift_labels, linear_bias=head.bias, ignore_index=ignore_index, reduction=reduction,
+            logit_scale=transform[0], softcap=transform[1],
         )
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return loss
+    return loss.to(hidden.dtype) if unshifted and upcast else loss  # stock's cross-entropy of 16-bit logits
 
 
 def _stock_forward(model, inner):
@@ -474,6 +623,11 @@ def _fused_forward(model, inner, args, kwargs):
     captured, placeholders, losses = [], [], []
     shift_labels = loss_kwargs.get("shift_labels")
     n_labels = (labels if shift_labels is None else shift_labels).numel()
+    transform = state.setdefault("logit_transform", _expected_transform(model))
+    kind = _loss_kind(model)
+    # the probe records what the model does to the logits; under torch.compile the plain placeholder (a model that
+    # post-processes its logits then falls back)
+    placeholder_type = torch.Tensor if torch.compiler.is_compiling() else _LogitsProbe
 
     def fused_head(hidden, *rest, **more):
         # The loss is computed here, as the head's forward inside its module call: where the head is sharded on its
@@ -484,10 +638,11 @@ def _fused_forward(model, inner, args, kwargs):
         # first call, discards this loss for the stock one.)
         captured.append(hidden)
         if len(captured) == 1 and hidden.numel() == hidden.shape[-1] * n_labels:
-            losses.append(_fused_lm_loss(hidden, head, labels, loss_kwargs))
-            placeholders.append(losses[0].new_zeros((*hidden.shape[:-1], 0)) + losses[0])  # not a view (FSDP2)
+            losses.append(_fused_lm_loss(hidden, head, labels, loss_kwargs, transform, kind == "unshifted"))
+            placeholder = losses[0].new_zeros((*hidden.shape[:-1], 0)) + losses[0]  # not a view (FSDP2)
         else:
-            placeholders.append(hidden.new_empty((*hidden.shape[:-1], 0)))
+            placeholder = hidden.new_empty((*hidden.shape[:-1], 0))
+        placeholders.append(placeholder.as_subclass(placeholder_type))
         return placeholders[-1]
 
     head.forward = fused_head
@@ -497,10 +652,16 @@ def _fused_forward(model, inner, args, kwargs):
         del head.forward
 
     intact = isinstance(output, ModelOutput) and len(captured) == 1
-    if not (intact and getattr(output, "logits", None) is placeholders[0]):
-        reason = ("logits_postprocessed", f"{type(model).__name__} changes the logits after the output embedding (or "
-                  "does not call it exactly once), which the fused loss cannot reproduce")
+    found = _logit_transform(getattr(output, "logits", None), placeholders[0]) if intact else None
+    if found is None:
+        reason = ("logits_postprocessed", f"{type(model).__name__} changes the logits after the output embedding "
+                  "other than by a constant scale and soft-cap (or does not call it exactly once), which the fused "
+                  "loss cannot reproduce")
         state["loss_unsupported"] = reason  # a property of the model: stock from now on
+    elif found != transform:  # learned now: the next calls take it
+        state["logit_transform"] = found
+        reason = ("logit_transform", f"{type(model).__name__} scales or soft-caps its logits other than its config "
+                  f"says; the loss takes logit_scale={found[0]}, softcap={found[1]} from the next call")
     elif not losses:  # this call only (e.g. logits_to_keep with labels for every position)
         reason = ("label_count", "the output embedding saw a number of positions other than the labels'")
     else:
@@ -514,8 +675,9 @@ def _fused_forward(model, inner, args, kwargs):
         return stock(*args, **kwargs)
 
     hidden = captured[0]
-    loss = losses[0] + placeholders[0].sum()  # + 0, through the head's output (see fused_head)
-    logits = head(hidden) if return_logits else None
+    with torch._C.DisableTorchFunctionSubclass():  # + 0, through the head's output (see fused_head)
+        loss = losses[0] + placeholders[0].sum()
+    logits = _replay(head(hidden), getattr(output.logits, "steps", ())) if return_logits else None
     values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
     values.update(loss=loss, logits=logits)
     output = type(output)(**values)
