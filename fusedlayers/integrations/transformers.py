@@ -52,14 +52,21 @@ they are computed as stock computes them, from the same hidden states, at the co
 labels the forward is the stock one (logits computed as stock, generation unaffected). The output is the
 model's own output class (e.g. ``CausalLMOutputWithPast``), or a tuple under ``return_dict=False``.
 
-The fused loss falls back to the stock forward (counted in :data:`fallbacks`, logged once) when it could
-not be exact: ``final_logit_softcapping`` set (Gemma 2/3), an output embedding that is not a plain
-``nn.Linear`` (or whose forward was replaced, e.g. by accelerate's offloading hooks), a loss function other
-than ``ForCausalLMLoss``, and -- found on the first call with labels, then remembered for the model --
-``logits_postprocessed``: the model changes the logits after the output embedding (e.g. Cohere's
-``logit_scale``, Granite's ``logits_scaling``), or calls the output embedding other than once; that first
-call is then recomputed by the stock forward (it raises instead if a cache object was passed, since the
-first pass already updated it).
+Models that post-process their logits: the placeholder records what the model does to it before returning it as its
+``logits`` (:class:`_LogitsProbe`); a constant scale and one soft-cap (Gemma 2/3's ``final_logit_softcapping``,
+Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) are the loss's ``logit_scale`` and ``softcap``: assumed
+from the config on the first call, checked on every call, learned where the config does not announce them (that first
+call is then recomputed by the stock forward: ``logit_transform``). Decoders that compute their own cross-entropy of
+the labels unshifted (BART, Marian, Whisper, ...; read from the forward's source) get that loss fused instead of
+``ForCausalLMLoss``.
+
+The fused loss falls back to the stock forward (counted in :data:`fallbacks`, logged once) when it could not be
+exact: an output embedding that is not a plain ``nn.Linear`` (or whose forward was replaced, e.g. by accelerate's
+offloading hooks), a loss other than those two, and -- found on the first call with labels, then remembered for the
+model -- ``logits_postprocessed``: the model changes the logits after the output embedding other than by a constant
+scale and soft-cap (e.g. a learned scale), or calls the output embedding other than once; that first call is then
+recomputed by the stock forward (it raises instead if a cache object was passed, since the first pass already
+updated it).
 
 Works for decoder ``*ForCausalLM`` models whose output embedding ``model.get_output_embeddings()`` is an
 ``nn.Linear`` and whose forward takes ``labels`` (tested: Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-2, Phi, Cohere,
