@@ -7,6 +7,8 @@ Liger-Kernel's LigerFusedLinearCrossEntropyLoss and (torch >= 2.13) torch's own 
 - "autocast": fp32 x and fp32 (master) W under ``torch.autocast("cuda", torch.bfloat16)``, as mixed-precision
   training calls the LM head: the matmuls run in bf16, grad_W is fp32 (ours: the fp32 accumulator is the
   gradient itself, no extra fp32 copy).
+- "softcap": bf16 x and W, the logits soft-capped at 30 before the loss (Gemma 2's final_logit_softcapping), ours
+  (``softcap=30``) against Liger's ``softcap`` and the written-out eager / compiled form.
 
 Matmul-bound: reports time, TFLOP/s counting the three matmuls (6 N H V flops), the time of those three
 matmuls alone (cuBLAS, bf16, same shapes, measured in the same run), and the peak memory allocated beyond the
@@ -14,7 +16,7 @@ inputs (x, W, targets), including the returned gradients of x and W. Then the ac
 against a float64 evaluation (chunked, same inputs): max |error| of grad_W and grad_x relative to max |grad|.
 
     python benchmarks/bench_linear_cross_entropy.py [--out benchmarks/results/<device>-linear_cross_entropy.md]
-                                                    [--tune] [--rounds 5] [--settings bf16 autocast]
+                                                    [--tune] [--rounds 5] [--settings bf16 autocast softcap]
 
 Each implementation is timed in ``--rounds`` interleaved rounds (its best round reported, its slowest shown): on a
 shared host a slow phase then costs every row one round instead of one row every round.
@@ -43,6 +45,7 @@ from fusedlayers.ops import linear_cross_entropy as lce_ops
 N, H, V = 8192, 2048, 128256
 MiB = 2**20
 BF16 = torch.bfloat16
+SOFTCAP = 30.0
 
 
 def eager_upcast(x, w, t):
@@ -53,13 +56,17 @@ def eager(x, w, t):
     return F.cross_entropy(F.linear(x, w), t)
 
 
-def liger_impl():
+def eager_softcap(x, w, t):
+    return F.cross_entropy(torch.tanh(F.linear(x, w).float() / SOFTCAP) * SOFTCAP, t)
+
+
+def liger_impl(softcap=None):
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except Exception as e:  # noqa: BLE001
         print(f"liger_kernel unavailable ({type(e).__name__}: {e}): no Liger rows")
         return None
-    liger = LigerFusedLinearCrossEntropyLoss()
+    liger = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
     return lambda x, w, t: liger(w, x, t)
 
 
@@ -73,6 +80,16 @@ def torch_chunked_impl():
 
 
 def impls(setting: str, tune: bool) -> dict:
+    if setting == "softcap":
+        out = {"fused": lambda x, w, t: fl.linear_cross_entropy(x, w, t, softcap=SOFTCAP),
+               "fused bf16-acc": lambda x, w, t: fl.linear_cross_entropy(x, w, t, softcap=SOFTCAP,
+                                                                         accumulation_dtype=BF16),
+               "eager (fp32 logits)": eager_softcap,
+               "torch.compile": torch.compile(eager_softcap, dynamic=False)}
+        liger = liger_impl(SOFTCAP)
+        if liger is not None:
+            out["liger"] = liger
+        return out
     out = {"fused": lambda x, w, t: fl.linear_cross_entropy(x, w, t)}
     if setting == "bf16":
         out["fused bf16-acc"] = lambda x, w, t: fl.linear_cross_entropy(x, w, t, accumulation_dtype=BF16)
@@ -128,8 +145,9 @@ def tune_chunk_kernels(copy_bw: float) -> list[str]:
     return [line]
 
 
-def float64_gradients(x, w, t) -> tuple[torch.Tensor, torch.Tensor]:
-    """grad_x, grad_W of the mean cross-entropy in float64, 1024 rows at a time (the float64 logits never whole)."""
+def float64_gradients(x, w, t, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_x, grad_W of the mean cross-entropy (of the soft-capped logits) in float64, 1024 rows at a time (the
+    float64 logits never whole)."""
     x64, w64 = x.double(), w.double()
     keep = t != -100
     count = keep.sum()
@@ -137,9 +155,13 @@ def float64_gradients(x, w, t) -> tuple[torch.Tensor, torch.Tensor]:
     gw = torch.zeros_like(w64)
     for start in range(0, N, 1024):
         rows = slice(start, start + 1024)
-        p = torch.softmax(x64[rows] @ w64.t(), -1)
+        logits = x64[rows] @ w64.t()
+        p = torch.softmax(torch.tanh(logits / softcap) * softcap if softcap else logits, -1)
         tc = t[rows]
         p[torch.arange(p.shape[0], device=p.device), tc.clamp(min=0)] -= 1.0
+        if softcap:
+            p *= torch.cosh(logits / softcap).pow(-2)
+        del logits
         p *= (keep[rows].double() / count)[:, None]
         gx[rows] = p @ w64
         gw.addmm_(p.t(), x64[rows])
@@ -149,13 +171,13 @@ def float64_gradients(x, w, t) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bench(setting: str, tune: bool, rounds: int) -> tuple[list[dict], float]:
     torch.manual_seed(0)
-    dtype = BF16 if setting == "bf16" else torch.float32
+    dtype = torch.float32 if setting == "autocast" else BF16
     x = torch.randn(N, H, device="cuda").to(dtype).requires_grad_()
     w = (torch.randn(V, H, device="cuda") / H**0.5).to(dtype).requires_grad_()
     t = torch.randint(0, V, (N,), device="cuda")
     t[::10] = -100
     mm_ms = matmuls_alone(x.detach().to(BF16), w.detach().to(BF16))
-    g64x, g64w = float64_gradients(x.detach(), w.detach(), t)
+    g64x, g64w = float64_gradients(x.detach(), w.detach(), t, SOFTCAP if setting == "softcap" else None)
     rows, timed = [], []
     for name, f in impls(setting, tune).items():
         def fwd_bwd(f=f):
@@ -207,7 +229,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="also sweep chunk sizes and time the CE kernels")
     parser.add_argument("--rounds", type=int, default=5,
                         help="time every implementation this many times, interleaved; keep the best")
-    parser.add_argument("--settings", nargs="+", default=["bf16", "autocast"], choices=["bf16", "autocast"])
+    parser.add_argument("--settings", nargs="+", default=["bf16", "autocast", "softcap"],
+                        choices=["bf16", "autocast", "softcap"])
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
@@ -232,8 +255,8 @@ def main() -> None:
     )
     for setting in args.settings:
         rows, mm_ms = bench(setting, args.tune, args.rounds)
-        title = ("bf16 x and W" if setting == "bf16"
-                 else "autocast(bf16), fp32 x and fp32 master W (grad_W fp32)")
+        title = {"bf16": "bf16 x and W", "autocast": "autocast(bf16), fp32 x and fp32 master W (grad_W fp32)",
+                 "softcap": f"bf16 x and W, logits soft-capped at {SOFTCAP:g} (Gemma 2)"}[setting]
         text += f"\n## {title}\n\n" + table(rows, mm_ms) + "\n"
     if tuned:
         text += "\n" + "\n".join(f"- {line}" for line in tuned) + "\n"
