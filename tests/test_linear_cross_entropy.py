@@ -806,7 +806,8 @@ def test_cuda_compile_autocast_and_opcheck():
     x, w, b = (v.requires_grad_() for v in _problem(n_rows=256, hidden=64, n_classes=5000, bias=True,
                                                     device="cuda"))
     t = _targets(256, 5000, device="cuda")
-    f = lambda a, c, d: fl.linear_cross_entropy(a, c, t, linear_bias=d, label_smoothing=0.1, z_loss=1e-4)  # noqa: E731
+    f = lambda a, c, d: fl.linear_cross_entropy(a, c, t, linear_bias=d, label_smoothing=0.1, z_loss=1e-4,  # noqa: E731
+                                                softcap=3.0)
     loss_c = torch.compile(f, fullgraph=True)(x, w, b)
     g1 = torch.autograd.grad(loss_c, (x, w, b))
     loss_e = f(x, w, b)
@@ -827,5 +828,5 @@ def test_cuda_compile_autocast_and_opcheck():
     assert lce_kernels._ADDMM_OUT_DTYPE[x.device] is True
     bf16 = torch.bfloat16
     opcheck(torch.ops.fusedlayers.linear_cross_entropy.default,
-            (x.bfloat16(), w.bfloat16(), t, b.bfloat16(), None, -100, "mean", 0.1, 0.0, 64, bf16, torch.float32, bf16,
-             True, True, True, True, False))
+            (x.bfloat16(), w.bfloat16(), t, b.bfloat16(), None, -100, "mean", 0.1, 0.0, 0.5, 3.0, 64, bf16,
+             torch.float32, bf16, True, True, True, True, False))

@@ -89,27 +89,34 @@ def _class_weight(w_ptr, t, valid, in_range, HAS_WEIGHT: tl.constexpr):
 
 @triton.jit
 def _transform(x, mask, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """The logits the loss sees (fp32): scale * x, then softcap * tanh(. / softcap); -inf where ``mask`` is off
-    (scale > 0 keeps a masked -inf load at -inf; tanh would not)."""
-    if HAS_SCALE:
-        x = x * scale
+    """The logits the loss sees (fp32), as the backward computes them: scale * x, then softcap * tanh(. / softcap);
+    -inf where ``mask`` is off (scale > 0 keeps a masked -inf load at -inf; tanh would not)."""
+    z, _ = _transform_with_slope(x, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
     if HAS_SOFTCAP:
-        x = tl.where(mask, softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0), float("-inf"))
-    return x
+        z = tl.where(mask, z, float("-inf"))
+    return z
 
 
 @triton.jit
-def _slope(x, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dz/dx of the transform at the raw logits x: scale sech^2(scale x / softcap) written as 4 e / (1 + e)^2,
-    e = exp(-2 |.|), with no cancellation where tanh saturates (1 - tanh^2 would lose it all there)."""
+def _transform_with_slope(x, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/dx) at raw logits x, for the backward: with a soft-cap, tanh(v) and sech^2(v) (v = scale x / softcap)
+    from one e = exp(-2 |v|) as (1 - e) / (1 + e) and 4 e / (1 + e)^2 -- no cancellation where tanh saturates (1 -
+    tanh^2 would lose it all there) and two special-function operations an element where tanh then 1 - tanh^2 via a
+    sigmoid take four (the soft-capped backward is bound by them)."""
+    if HAS_SCALE:
+        x = x * scale
     if HAS_SOFTCAP:
-        e = tl.exp(-2.0 * tl.abs(x * scale / softcap))
-        slope = 4.0 * e / ((1.0 + e) * (1.0 + e))
+        e = tl.exp(-2.0 * tl.abs(x / softcap))
+        r = 1.0 / (1.0 + e)
+        c = (1.0 - e) * r
+        z = softcap * tl.where(x < 0, -c, c)
+        slope = 4.0 * e * r * r
         if HAS_SCALE:
             slope = slope * scale
     else:
+        z = x
         slope = tl.full(x.shape, scale, tl.float32)
-    return slope
+    return z, slope
 
 
 @triton.jit
@@ -282,8 +289,9 @@ def _ce_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols < n_cols
             mask = in_rows[:, None] & in_cols[None, :]
-            raw = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            x = _transform(raw, mask, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+            x = tl.load(x_base + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SCALE or HAS_SOFTCAP:
+                x, slope = _transform_with_slope(x, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             q = tl.load(t_base + cols[None, :] * stride_tc, mask=mask, other=0.0).to(tl.float32)
             if HAS_SMOOTHING:
                 q = q * (1.0 - smoothing) + smoothing / n_cols
@@ -292,7 +300,7 @@ def _ce_bwd_kernel(
                 q = q * w[None, :]
             d = a[:, None] * tl.exp((x - hi[:, None]) - lo[:, None]) - g[:, None] * q
             if HAS_SCALE or HAS_SOFTCAP:
-                d = d * _slope(raw, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                d = d * slope
             tl.store(dx_base + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=mask)
             if TARGET_GRAD:
                 dq = (g * (1.0 - smoothing))[:, None] * ((hi[:, None] - x) + lo[:, None])
@@ -323,8 +331,9 @@ def _ce_bwd_kernel(
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             in_cols = cols[None, :] < n_cols
-            raw = tl.load(x_base + cols[None, :] * stride_xc, mask=valid[:, None] & in_cols, other=0.0)
-            x = _transform(raw.to(tl.float32), valid[:, None] & in_cols, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+            x = tl.load(x_base + cols[None, :] * stride_xc, mask=valid[:, None] & in_cols, other=0.0).to(tl.float32)
+            if HAS_SCALE or HAS_SOFTCAP:  # masked-off entries: any finite value (never stored)
+                x, slope = _transform_with_slope(x, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             d = a[:, None] * tl.exp((x - hi[:, None]) - lo[:, None])
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
@@ -334,7 +343,7 @@ def _ce_bwd_kernel(
                     d -= c_smooth[:, None]
             d = tl.where(cols[None, :] == t[:, None], d - c_target[:, None], d)
             if HAS_SCALE or HAS_SOFTCAP:
-                d = d * _slope(raw.to(tl.float32), scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                d = d * slope
             d = tl.where(valid[:, None], d, 0.0)
             tl.store(dx_base + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols)
 
