@@ -83,7 +83,7 @@ def scaled_masked_softmax(
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: Tensor | None = None,
 ) -> Tensor:
     """FlashAttention-2 (Triton on CUDA, the same blockwise algorithm in PyTorch on CPU), equal to
     ``F.scaled_dot_product_attention`` with the same arguments.
@@ -109,6 +109,10 @@ def scaled_dot_product_attention(
     unbounded on that side (``(w, 0)`` with or without ``is_causal``: Mistral's and Gemma's window of w + 1 keys);
     top-left aligned, as ``is_causal`` (query i sits at key i, also when L != S). ``softcap``: logit soft-capping
     as Gemma 2's, each scaled score x becomes softcap * tanh(x / softcap) before ``attn_mask`` is added; 0 = off.
+    ``sinks``: None or a (H,) tensor of attention-sink logits, one per query head (gpt-oss's ``s_aux``): each row's
+    softmax also counts a key of that score and value 0 (it takes probability mass, adds nothing), differentiable
+    in ``sinks`` (``fusedlayers.ops.scaled_dot_product_attention.AttentionWithSinks``: the same kernels, the
+    output rescaled by the sink's share).
 
     The output has the memory layout (strides) torch's SDPA gives for the same call, which follows the
     kernel torch picks (on CPU: like ``query`` when its flash kernel runs, else contiguous); so do the
@@ -204,6 +208,11 @@ def scaled_dot_product_attention(
     if attn_mask is not None and len(batch) > 1 and attn_mask.dim() > 2:
         attn_mask = attn_mask.expand(*out_batch, q_len, k_len).reshape(n_batch, heads, q_len, k_len)
     seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
+    if sinks is not None:
+        _check_sinks(sinks, heads if out_batch else None, query)
+        out = _attention_ops.AttentionWithSinks.apply(query, key, value, attn_mask, sinks, seed, dropout_p,
+                                                      is_causal, scale, layout, *window_size, float(softcap))
+        return out if out.shape[:-2] == out_batch else out.reshape(*out_batch, q_len, out.shape[-1])
     out, _ = call(
         _attention_ops.scaled_dot_product_attention, query, key, value, attn_mask, seed, dropout_p, is_causal,
         scale, layout, *window_size, float(softcap),
@@ -347,6 +356,15 @@ def _check_attention_options(dropout_p, is_causal, window_size, softcap) -> tupl
     if not (0.0 <= softcap < float("inf")):
         raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
     return dropout_p, v.check_bool("is_causal", is_causal), _check_window("window_size", window_size), softcap
+
+
+def _check_sinks(sinks, heads: int | None, query: Tensor) -> None:
+    v.check_float_tensor("sinks", sinks)
+    if heads is None or tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({heads},), one logit per query head (query of shape "
+                         f"{tuple(query.shape)} has heads at dim -3), got {tuple(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}")
 
 
 def _check_window(name: str, window) -> tuple[int, int]:

@@ -523,9 +523,16 @@ def test_attention_function_fallbacks_and_arguments(counters):
     k2, v2 = torch.cat([k, torch.randn_like(k)], 2), torch.cat([v, torch.randn_like(v)], 2)
     out, _ = flt.attention_forward(module, q, k2, v2, None)
     torch.testing.assert_close(out, sdpa_attention_forward(module, q, k2, v2, None)[0])
-    # attention sinks: the model's eager function
+    # attention sinks, one per query head (gpt-oss's s_aux): ours; of another shape: the model's eager function
+    sinks = torch.randn(4, dtype=torch.float64)
+    out, _ = flt.attention_forward(module, q, k, v, mask, scaling=0.25, s_aux=sinks)
+    assert counters["attention"][-1]["sinks"] is sinks and not flt.fallbacks.get("sinks")
+    scores = torch.cat([(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).masked_fill(~mask, float("-inf")),
+                        sinks.view(1, 4, 1, 1).expand(2, 4, 12, 1)], -1)
+    stock = (scores.softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(out, stock, rtol=1e-12, atol=1e-12)
     with pytest.raises(NotImplementedError, match="eager"):
-        flt.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(4))
+        flt.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
     assert flt.fallbacks["sinks"] == 1
 
 

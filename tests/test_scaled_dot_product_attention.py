@@ -1974,3 +1974,113 @@ def test_cuda_nondeterministic_backward_window_softcap(monkeypatch):
                                                                           (-1, -1), 2.0)):
             check_window_softcap(case, torch.bfloat16, device="cuda")
     assert "_attn_bwd_dq_kernel" not in names
+
+
+# ----------------------------------------------------------------------------- attention sinks
+
+
+def sink_attention(q, k, v, sinks, mask=None, is_causal=False, window=(-1, -1)):
+    """gpt-oss's eager attention with sinks written out: the sink logit as one more column of the softmax, dropped
+    after it (GQA by repeating K/V)."""
+    B, H, L, _ = q.shape
+    group = H // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = torch.ones(L, k.shape[2], dtype=torch.bool)
+    i, j = torch.arange(L)[:, None], torch.arange(k.shape[2])[None, :]
+    if is_causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if mask is not None:
+        keep = keep & mask
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, L, 1)], -1).softmax(-1)[..., :-1]
+    return probs @ v
+
+
+SINK_CASES = [  # (H, H_kv, L, S, causal, window, masked)
+    (4, 4, 9, 9, False, (-1, -1), False),
+    (4, 2, 17, 17, True, (-1, -1), False),
+    (4, 1, 33, 33, True, (5, 0), False),
+    (2, 2, 12, 20, False, (-1, -1), True),  # a bool mask with a fully masked row: all mass on the sink, output 0
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_sinks_match_the_written_out_softmax(backend, case):
+    """Output and the gradients of q, k, v and the sinks: fp32 within the parity rule of the written-out form's fp32
+    error against float64; the reference in float64 to 1e-12."""
+    H, H_kv, L, S, causal, window, masked = case
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((H, L), (H_kv, S), (H_kv, S)))
+    sinks = torch.randn(H, generator=g) * 2
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, L, S, generator=g) > 0.3
+        mask[0, 0, 3] = False
+    weights = torch.randn(2, H, L, 16, generator=g)
+    leaves = (q, k, v, sinks)
+
+    def run(fn, dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        out = fn(*inputs)
+        return [out.detach(), *torch.autograd.grad((out * weights.to(dtype)).sum(), inputs)]
+
+    def ours(q, k, v, s):
+        with fl.use_backend(backend):
+            return fl.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, window_size=window,
+                                                   enable_gqa=H != H_kv, sinks=s)
+
+    def stock(q, k, v, s):
+        return sink_attention(q, k, v, s, mask, causal, window)
+
+    reference = run(stock, torch.float64)
+    for name, a, b, r in zip(["output", "dq", "dk", "dv", "dsinks"], run(ours, torch.float32),
+                             run(stock, torch.float32), reference, strict=True):
+        assert_parity(a, b, r, name)
+    if backend == "reference":
+        for name, a, r in zip(["output", "dq", "dk", "dv", "dsinks"], run(ours, torch.float64), reference,
+                              strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=name)
+    if masked:
+        assert (run(ours, torch.float32)[0][0, :, 3] == 0).all()
+
+
+def test_sinks_bad_input_names_the_argument():
+    q = torch.randn(2, 4, 5, 8)
+    for sinks, error in ((torch.zeros(3), ValueError), (torch.zeros(4, 1), ValueError),
+                         (torch.zeros(4, dtype=torch.long), TypeError)):
+        with pytest.raises(error, match="sinks"):
+            fl.scaled_dot_product_attention(q, q, q, sinks=sinks)
+    with pytest.raises(ValueError, match="sinks"):  # no head dim
+        fl.scaled_dot_product_attention(q[0, 0], q[0, 0], q[0, 0], sinks=torch.zeros(1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_sinks(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 300, 64, device="cuda", generator=g)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", generator=g) for _ in range(2))
+    sinks = torch.randn(8, device="cuda", generator=g)
+    weights = torch.randn(2, 8, 300, 64, device="cuda", generator=g)
+
+    def run(fn, dt):
+        inputs = [t.to(dt).requires_grad_() for t in (q, k, v, sinks)]
+        out = fn(*inputs)
+        return [out.detach(), *torch.autograd.grad((out.float() * weights).sum(), inputs)]
+
+    def ours(q, k, v, s):
+        return fl.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(100, 0), enable_gqa=True,
+                                               sinks=s)
+
+    def stock(q, k, v, s):
+        return sink_attention(q.cpu(), k.cpu(), v.cpu(), s.cpu(), None, True, (100, 0)).to(q.device)
+
+    reference = run(stock, torch.float64)
+    for name, a, b, r in zip(["output", "dq", "dk", "dv", "dsinks"], run(ours, dtype), run(stock, dtype), reference,
+                             strict=True):
+        assert_parity(a, b, r, name)
+

@@ -37,7 +37,7 @@ SAMPLE = {
     "starcoder2": ({}, {"norm", "rotary"}),
     "mixtral": ({}, {"norm", "rotary"}),  # mixture of experts (experts stay stock)
     "qwen3_next": ({}, {"norm", "mlp"}),  # hybrid: a linear-attention layer and a full-attention one
-    "gpt_oss": ({"sinks": 4}, set()),  # attention sinks: every attention call runs the model's eager function
+    "gpt_oss": ({}, set()),  # attention sinks (s_aux): fl.scaled_dot_product_attention(sinks=...)
     "bart": ({}, {"norm"}),  # BART's decoder: its own cross-entropy of the labels unshifted
 }
 UNSHIFTED = "other: cross-entropy of the unshifted labels"

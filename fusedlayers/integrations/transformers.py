@@ -150,12 +150,20 @@ def register() -> None:
     AttentionMaskInterface.register(EAGER_MASK_NAME, eager_mask)
 
 
+def _sinks(kwargs):
+    """The attention-sink logits a model passes (gpt-oss: ``s_aux``; others: ``sinks``), or None."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
+
+
 def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tuple[str, str] | None:
     softcap = kwargs.get("softcap")
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 <= softcap < float("inf")):
         return "softcap", f"attention logit soft-capping by {softcap!r} (not a finite number >= 0)"
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return "sinks", "attention sinks (s_aux) are not supported by fl.scaled_dot_product_attention"
+    sinks = _sinks(kwargs)
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point()
+                                  and tuple(sinks.shape) == (query.shape[1],) and query.dim() == 4):
+        return "sinks", f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}, not one per query head"
     if kwargs.get("position_bias") is not None:
         return "position_bias", "a position bias is not supported by the fusedlayers attention integration"
     if attention_mask is not None and not (
@@ -320,8 +328,11 @@ def attention_forward(
 
     q_len = query.shape[2]
     softcap = float(kwargs.get("softcap") or 0.0)
+    sinks = _sinks(kwargs)
     window_size = (-1, -1)
     structure = _mask_structure(attention_mask, query, key, kwargs)
+    if structure is not None and sinks is not None and structure[1] is not None:
+        structure = None  # packed documents with sinks: the dense op with the mask (varlen has no sinks)
     if structure is not None:  # causal within documents (and a window) without padding: no mask to read
         window, cu_seqlens, max_seqlen = structure
         window_size = (window - 1, 0) if window is not None else (-1, -1)
@@ -338,7 +349,7 @@ def attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = _fl.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, window_size=window_size,
+        enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, window_size=window_size, sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None
 
