@@ -109,10 +109,11 @@ def scaled_dot_product_attention(
     unbounded on that side (``(w, 0)`` with or without ``is_causal``: Mistral's and Gemma's window of w + 1 keys);
     top-left aligned, as ``is_causal`` (query i sits at key i, also when L != S). ``softcap``: logit soft-capping
     as Gemma 2's, each scaled score x becomes softcap * tanh(x / softcap) before ``attn_mask`` is added; 0 = off.
-    ``sinks``: None or a (H,) tensor of attention-sink logits, one per query head (gpt-oss's ``s_aux``): each row's
-    softmax also counts a key of that score and value 0 (it takes probability mass, adds nothing), differentiable
-    in ``sinks`` (``fusedlayers.ops.scaled_dot_product_attention.AttentionWithSinks``: the same kernels, the
-    output rescaled by the sink's share).
+    ``sinks``: None, a (H,) tensor of attention-sink logits, one per query head (gpt-oss's ``s_aux``), or one per query
+    row, broadcastable to (..., H, L) (Inkling 2's): each row's softmax also counts a key of that score and value 0
+    (it takes probability mass, adds nothing), differentiable in ``sinks``
+    (``fusedlayers.ops.scaled_dot_product_attention.AttentionWithSinks``: the same kernels, the output rescaled by
+    the sink's share).
 
     The output has the memory layout (strides) torch's SDPA gives for the same call, which follows the
     kernel torch picks (on CPU: like ``query`` when its flash kernel runs, else contiguous); so do the
@@ -209,7 +210,7 @@ def scaled_dot_product_attention(
         attn_mask = attn_mask.expand(*out_batch, q_len, k_len).reshape(n_batch, heads, q_len, k_len)
     seed = _attention_ops.draw_dropout_seed() if dropout_p > 0.0 else None
     if sinks is not None:
-        _check_sinks(sinks, heads if out_batch else None, query)
+        sinks = _folded_sinks(sinks, heads if out_batch else None, out_batch, n_batch, q_len, query)
         out = _attention_ops.AttentionWithSinks.apply(query, key, value, attn_mask, sinks, seed, dropout_p,
                                                       is_causal, scale, layout, *window_size, float(softcap))
         return out if out.shape[:-2] == out_batch else out.reshape(*out_batch, q_len, out.shape[-1])
@@ -358,13 +359,23 @@ def _check_attention_options(dropout_p, is_causal, window_size, softcap) -> tupl
     return dropout_p, v.check_bool("is_causal", is_causal), _check_window("window_size", window_size), softcap
 
 
-def _check_sinks(sinks, heads: int | None, query: Tensor) -> None:
+def _folded_sinks(sinks, heads: int | None, out_batch: tuple, n_batch: int, q_len: int, query: Tensor) -> Tensor:
+    """Sinks (H,) or broadcastable to (..., H, L) as (1, H, 1) or (B, H, L), the op's layout."""
     v.check_float_tensor("sinks", sinks)
-    if heads is None or tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape (H,) = ({heads},), one logit per query head (query of shape "
-                         f"{tuple(query.shape)} has heads at dim -3), got {tuple(sinks.shape)}")
     if sinks.device != query.device:
         raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}")
+    if heads is not None and tuple(sinks.shape) == (heads,):
+        return sinks.view(1, heads, 1)
+    rows = (*out_batch, q_len)
+    try:
+        ok = heads is not None and sinks.dim() == len(rows) and torch.broadcast_shapes(sinks.shape, rows) == rows
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"sinks must have shape (H,) (one logit per query head) or broadcast to (..., H, L) = {rows} "
+                         f"(one per query row; query of shape {tuple(query.shape)} has heads at dim -3), got "
+                         f"{tuple(sinks.shape)}")
+    return sinks.expand(rows).reshape(n_batch, heads, q_len)
 
 
 def _check_window(name: str, window) -> tuple[int, int]:

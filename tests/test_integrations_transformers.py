@@ -534,6 +534,18 @@ def test_attention_function_fallbacks_and_arguments(counters):
     with pytest.raises(NotImplementedError, match="eager"):
         flt.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
     assert flt.fallbacks["sinks"] == 1
+    # one sink a query row (Inkling 2's (B, H, L, 1)) and a learned position bias (Inkling's), with their gradients
+    row_sinks = torch.randn(2, 4, 12, 1, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 4, 12, 12, dtype=torch.float64, requires_grad=True)
+    out, _ = flt.attention_forward(module, q, k, v, mask, scaling=0.25, sinks=row_sinks, position_bias=bias)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25 + bias).masked_fill(~mask, float("-inf"))
+    probs = torch.cat([scores, row_sinks], -1).softmax(-1)[..., :-1]
+    stock = (probs @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(out, stock, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (row_sinks, bias))
+    for got, want in zip(grads, torch.autograd.grad(stock.square().sum(), (row_sinks, bias)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert not flt.fallbacks.get("position_bias")
 
 
 @needs_transformers

@@ -1995,15 +1995,18 @@ def sink_attention(q, k, v, sinks, mask=None, is_causal=False, window=(-1, -1)):
     if mask is not None:
         keep = keep & mask
     scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, L, 1)], -1).softmax(-1)[..., :-1]
+    column = sinks.view(1, H, 1, 1) if sinks.dim() == 1 else sinks.unsqueeze(-1)  # per head or per query row
+    probs = torch.cat([scores, column.expand(B, H, L, 1)], -1).softmax(-1)[..., :-1]
     return probs @ v
 
 
-SINK_CASES = [  # (H, H_kv, L, S, causal, window, masked)
-    (4, 4, 9, 9, False, (-1, -1), False),
-    (4, 2, 17, 17, True, (-1, -1), False),
-    (4, 1, 33, 33, True, (5, 0), False),
-    (2, 2, 12, 20, False, (-1, -1), True),  # a bool mask with a fully masked row: all mass on the sink, output 0
+SINK_CASES = [  # (H, H_kv, L, S, causal, window, masked, per_row)
+    (4, 4, 9, 9, False, (-1, -1), False, False),
+    (4, 2, 17, 17, True, (-1, -1), False, False),
+    (4, 1, 33, 33, True, (5, 0), False, False),
+    (2, 2, 12, 20, False, (-1, -1), True, False),  # a bool mask with a fully masked row: all mass on the sink, output 0
+    (4, 2, 17, 17, True, (-1, -1), False, True),  # one sink a query row (Inkling 2's), (B, H, L)
+    (2, 2, 12, 20, False, (-1, -1), True, True),
 ]
 
 
@@ -2012,10 +2015,10 @@ SINK_CASES = [  # (H, H_kv, L, S, causal, window, masked)
 def test_sinks_match_the_written_out_softmax(backend, case):
     """Output and the gradients of q, k, v and the sinks: fp32 within the parity rule of the written-out form's fp32
     error against float64; the reference in float64 to 1e-12."""
-    H, H_kv, L, S, causal, window, masked = case
+    H, H_kv, L, S, causal, window, masked, per_row = case
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((H, L), (H_kv, S), (H_kv, S)))
-    sinks = torch.randn(H, generator=g) * 2
+    sinks = torch.randn((2, H, L) if per_row else (H,), generator=g) * 2
     mask = None
     if masked:
         mask = torch.rand(2, 1, L, S, generator=g) > 0.3
@@ -2051,7 +2054,7 @@ def test_sinks_match_the_written_out_softmax(backend, case):
 def test_sinks_bad_input_names_the_argument():
     q = torch.randn(2, 4, 5, 8)
     for sinks, error in ((torch.zeros(3), ValueError), (torch.zeros(4, 1), ValueError),
-                         (torch.zeros(4, dtype=torch.long), TypeError)):
+                         (torch.zeros(2, 4, 6), ValueError), (torch.zeros(4, dtype=torch.long), TypeError)):
         with pytest.raises(error, match="sinks"):
             fl.scaled_dot_product_attention(q, q, q, sinks=sinks)
     with pytest.raises(ValueError, match="sinks"):  # no head dim
@@ -2060,11 +2063,12 @@ def test_sinks_bad_input_names_the_argument():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_sinks(dtype):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_cuda_sinks(dtype, per_row):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 300, 64, device="cuda", generator=g)
     k, v = (torch.randn(2, 2, 300, 64, device="cuda", generator=g) for _ in range(2))
-    sinks = torch.randn(8, device="cuda", generator=g)
+    sinks = torch.randn((2, 8, 300) if per_row else (8,), device="cuda", generator=g)
     weights = torch.randn(2, 8, 300, 64, device="cuda", generator=g)
 
     def run(fn, dt):

@@ -39,6 +39,7 @@ SAMPLE = {
     "qwen3_next": ({}, {"norm", "mlp"}),  # hybrid: a linear-attention layer and a full-attention one
     "gpt_oss": ({}, set()),  # attention sinks (s_aux): fl.scaled_dot_product_attention(sinks=...)
     "bart": ({}, {"norm"}),  # BART's decoder: its own cross-entropy of the labels unshifted
+    "inkling_text": ({}, {"norm"}),  # a learned relative position bias: an additive mask of the attention op
 }
 UNSHIFTED = "other: cross-entropy of the unshifted labels"
 LOSS_KINDS = {"bart": UNSHIFTED}

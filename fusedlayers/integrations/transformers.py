@@ -22,14 +22,16 @@ skipped rather than masked;
 no mask means ``is_causal`` (top-left, and only when L > 1, keys cut to L when the cache has more, as SDPA's
 integration does); grouped-query attention reads the shared K/V heads (``enable_gqa``, no copy); dropout in
 training; Gemma 2's attention-logit soft-capping (``softcap``: the scaled score x becomes softcap * tanh(x /
-softcap) before the mask is added, as its eager attention) by the op's ``softcap``. Calls our op cannot express
-exactly fall back, per call, to transformers' stock function -- the SDPA one, or for what SDPA cannot do either
-(attention sinks ``s_aux``, a soft-cap that is not a finite number >= 0) the model's own eager function, given the
-mask eager attention expects (a float mask, causal included). Each fallback is counted in :data:`fallbacks` and
-logged once per reason: ``softcap``, ``sinks``, ``position_bias``, ``mask_type`` (not a bool/float tensor),
-``layout`` (not 4-D, batch broadcast between query and key, heads not a multiple), ``dtype``, ``head_dim`` (key
-and query head dims differ), ``sliding_window`` (a window the mask does not encode: no mask and more keys than the
-window), ``mask_shape``.
+softcap) before the mask is added, as its eager attention) by the op's ``softcap``; attention sinks (gpt-oss's
+``s_aux`` one per head, Inkling 2's ``sinks`` one per query row) by the op's ``sinks``; an additive ``position_bias``
+(Inkling's relative bias) folded into the mask as one additive float mask, which the op differentiates. Calls our
+op cannot express exactly fall back, per call, to transformers' stock function -- the SDPA one, or for what SDPA
+cannot do either (sinks of another shape, a soft-cap that is not a finite number >= 0) the model's own eager
+function, given the mask eager attention expects (a float mask, causal included). Each fallback is counted in
+:data:`fallbacks` and logged once per reason: ``softcap``, ``sinks``, ``position_bias``, ``mask_type`` (not a
+bool/float tensor), ``layout`` (not 4-D, batch broadcast between query and key, heads not a multiple), ``dtype``,
+``head_dim`` (key and query head dims differ), ``sliding_window`` (a window the mask does not encode: no mask and
+more keys than the window), ``mask_shape``.
 
 **loss** -- replaces the ``forward`` of this model instance (not its class) by one that, when ``labels`` are
 given, computes the causal-LM loss with ``fl.linear_cross_entropy`` on the final hidden states and the
@@ -150,22 +152,61 @@ def register() -> None:
     AttentionMaskInterface.register(EAGER_MASK_NAME, eager_mask)
 
 
-def _sinks(kwargs):
-    """The attention-sink logits a model passes (gpt-oss: ``s_aux``; others: ``sinks``), or None."""
+def _sinks(kwargs, query):
+    """The attention-sink logits a model passes (gpt-oss: ``s_aux``, one per head; Inkling 2: ``sinks`` (B, H, L, 1),
+    one per query row) as fl.scaled_dot_product_attention takes them ((H,) or (B, H, L)); None if there are none;
+    False if they are not of either form."""
     sinks = kwargs.get("s_aux")
-    return kwargs.get("sinks") if sinks is None else sinks
+    sinks = kwargs.get("sinks") if sinks is None else sinks
+    if sinks is None:
+        return None
+    if not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and query.dim() == 4):
+        return False
+    B, H, L = query.shape[:3]
+    if tuple(sinks.shape) == (H,):
+        return sinks
+    rows = (B, H, L, 1)
+    if sinks.dim() == 4 and all(n in (1, m) for n, m in zip(sinks.shape, rows, strict=True)) and sinks.shape[-1] == 1:
+        return sinks.squeeze(-1)
+    return False
+
+
+def _position_bias(kwargs, query, key):
+    """An additive position bias broadcastable to (B, H, L, S) (added to the scaled scores before the mask, as the
+    models' eager attention does), None if there is none, False if it is not that."""
+    bias = kwargs.get("position_bias")
+    if bias is None:
+        return None
+    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    try:
+        ok = (isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dim() <= 4
+              and torch.broadcast_shapes(bias.shape, shape) == shape)
+    except RuntimeError:
+        ok = False
+    return bias if ok else False
+
+
+def _with_bias(attention_mask, bias):
+    """One additive float mask: the position bias, then the mask (a bool mask as -inf where it drops a key)."""
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return bias.masked_fill(~attention_mask, float("-inf"))
+    return bias + attention_mask
 
 
 def _attention_fallback_reason(query, key, value, attention_mask, kwargs) -> tuple[str, str] | None:
     softcap = kwargs.get("softcap")
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 <= softcap < float("inf")):
         return "softcap", f"attention logit soft-capping by {softcap!r} (not a finite number >= 0)"
-    sinks = _sinks(kwargs)
-    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point()
-                                  and tuple(sinks.shape) == (query.shape[1],) and query.dim() == 4):
-        return "sinks", f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}, not one per query head"
-    if kwargs.get("position_bias") is not None:
-        return "position_bias", "a position bias is not supported by the fusedlayers attention integration"
+    if _sinks(kwargs, query) is False:
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        return "sinks", (f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}, neither one per query head "
+                         "nor one per query row")
+    if _position_bias(kwargs, query, key) is False:
+        bias = kwargs["position_bias"]
+        return "position_bias", (f"a position bias of shape {tuple(getattr(bias, 'shape', ()))} that is not an "
+                                 "additive float tensor broadcastable to (B, H, L, S)")
     if attention_mask is not None and not (
         isinstance(attention_mask, torch.Tensor)
         and (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())
@@ -328,11 +369,12 @@ def attention_forward(
 
     q_len = query.shape[2]
     softcap = float(kwargs.get("softcap") or 0.0)
-    sinks = _sinks(kwargs)
+    sinks = _sinks(kwargs, query)
+    bias = _position_bias(kwargs, query, key)
     window_size = (-1, -1)
     structure = _mask_structure(attention_mask, query, key, kwargs)
-    if structure is not None and sinks is not None and structure[1] is not None:
-        structure = None  # packed documents with sinks: the dense op with the mask (varlen has no sinks)
+    if structure is not None and (bias is not None or (sinks is not None and structure[1] is not None)):
+        structure = None  # the dense op with the mask: varlen has no sinks; a bias is a mask of its own
     if structure is not None:  # causal within documents (and a window) without padding: no mask to read
         window, cu_seqlens, max_seqlen = structure
         window_size = (window - 1, 0) if window is not None else (-1, -1)
@@ -347,6 +389,9 @@ def attention_forward(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:  # prefill into an empty static cache: the rest are empty slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+        bias = bias[..., :q_len] if bias is not None else None
+    if bias is not None:
+        attention_mask = _with_bias(attention_mask, bias)
     out = _fl.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, window_size=window_size, sinks=sinks,

@@ -581,15 +581,17 @@ def _(grad_out, query, key, value, out, lse, attn_mask, seed, dropout_p, is_caus
 
 
 class AttentionWithSinks(torch.autograd.Function):
-    """Attention with a learned sink logit per head (gpt-oss's ``s_aux``): each row's softmax also has a key of score
-    ``sinks[h]`` and value 0, which takes probability mass and contributes nothing. From the op's output O and
-    logsumexp L over the real keys: L' = logaddexp(L, s), O' = O exp(L - L'). The backward is the op's own backward
-    run with (O', L') in place of (O, L): the probabilities it recomputes from L' are the sink softmax's, and delta =
-    rowsum(dO' O') is what a value-0 key leaves it. The sink's gradient is -sum over rows of exp(s - L') delta.
-    Rows whose keys are all masked (L = +inf by the op's convention) put all their mass on the sink: output 0.
+    """Attention with sink logits (gpt-oss's ``s_aux``, one per head; Inkling 2's, one per query row): each row's
+    softmax also has a key of score s (its sink logit) and value 0, which takes probability mass and contributes
+    nothing. From the op's output O and logsumexp L over the real keys: L' = logaddexp(L, s), O' = O exp(L - L').
+    The backward is the op's own backward run with (O', L') in place of (O, L): the probabilities it recomputes from
+    L' are the sink softmax's, and delta = rowsum(dO' O') is what a value-0 key leaves it. The sink's gradient is
+    -sum over rows of exp(s - L') delta. Rows whose keys are all masked (L = +inf by the op's convention) put all
+    their mass on the sink: output 0.
 
     ``apply(query, key, value, attn_mask, sinks, seed, dropout_p, is_causal, scale, layout, window_left,
-    window_right, softcap)`` with the op's (B, H, L, E) arguments and sinks (H,); returns the output."""
+    window_right, softcap)`` with the op's (B, H, L, E) arguments and sinks broadcastable to (B, H, L) (3-D);
+    returns the output."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, sinks, seed, dropout_p, is_causal, scale, layout, window_left,
@@ -597,7 +599,7 @@ class AttentionWithSinks(torch.autograd.Function):
         args = (dropout_p, is_causal, scale)
         extra = (layout, window_left, window_right, softcap)
         out, lse = call(scaled_dot_product_attention, query, key, value, attn_mask, seed, *args, *extra)
-        sink = sinks.to(lse.dtype).view(1, -1, 1)
+        sink = sinks.to(lse.dtype)
         real = lse.masked_fill(lse == float("inf"), float("-inf"))  # all keys masked: no mass on real keys
         lse = torch.logaddexp(real, sink)
         out.copy_(out * torch.exp(real - lse).unsqueeze(-1))  # in place: the op's output layout (torch's)
@@ -621,8 +623,8 @@ class AttentionWithSinks(torch.autograd.Function):
                 dmask = ds.sum_to_size(mask_shape).to(mask_dtype)
         if need_dsinks:
             delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-            p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+            p_sink = torch.exp(sinks.to(lse.dtype) - lse)
+            dsinks = (-(p_sink * delta)).sum_to_size(sinks.shape).to(sinks.dtype)
         return dq, dk, dv, dmask, dsinks, *(None,) * 8
 
 
