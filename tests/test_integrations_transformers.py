@@ -844,6 +844,69 @@ def test_fsdp2_sharded_head_matches_stock(head_unit, tmp_path):
     mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "init"), head_unit), nprocs=2, join=True)
 
 
+def _zero3_worker(rank: int, world: int, init_file: str) -> None:
+    """One rank: a tiny Llama applied and wrapped by DeepSpeed ZeRO-3 (every parameter partitioned across the ranks
+    outside its module's call: the head's weight is empty there), against the same stock model wrapped the same way
+    (ZeRO-3's own reduction and optimizer step on both sides), on the same batches."""
+    import deepspeed
+    import torch.distributed as dist
+
+    import fusedlayers.functional as flf
+
+    head_weights = []
+    linear_cross_entropy = flf.linear_cross_entropy
+
+    def recorded(input, linear_weight, *args, **kwargs):
+        head_weights.append(tuple(linear_weight.shape))
+        return linear_cross_entropy(input, linear_weight, *args, **kwargs)
+
+    flf.linear_cross_entropy = recorded
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, _ = _tiny("llama", tie_word_embeddings=False)
+        stock = copy.deepcopy(model)
+        head_shape = tuple(model.lm_head.weight.shape)
+        flt.apply(model)
+        config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 3},
+                  "zero_allow_untested_optimizer": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        stock_engine, *_ = deepspeed.initialize(model=stock, config=config)
+        assert engine.module.lm_head.weight.numel() == 0  # partitioned outside forward
+        for step in range(3):  # each step on the weights the previous one left (gathered, stepped, partitioned)
+            batch = _batch("left", seed=1 + rank + 2 * step)
+            loss, stock_loss = engine(**batch).loss, stock_engine(**batch).loss
+            torch.testing.assert_close(loss, stock_loss, msg=f"step {step}")
+            for e, value in ((engine, loss), (stock_engine, stock_loss)):
+                e.backward(value)
+                e.step()
+        params = list(engine.module.parameters()) + list(stock_engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            for (name, p), q in zip(engine.module.named_parameters(), stock_engine.module.parameters(), strict=True):
+                assert p.shape == q.shape and p.numel() > 0, name
+                torch.testing.assert_close(p, q, msg=name)
+        assert not flt.fallbacks, flt.fallbacks
+        assert head_weights == [head_shape] * 3, head_weights  # the whole head, each step
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # as the FSDP2 worker: no interpreter teardown after the collectives
+
+
+@needs_transformers
+def test_deepspeed_zero3_matches_stock(tmp_path):
+    """The fused loss under DeepSpeed ZeRO-3 on 2 CPU processes (gloo): it runs inside the head's module call, where
+    ZeRO-3's hooks have gathered the head, and its gradient flows back through the head's (wrapped) output, where
+    ZeRO-3's hook gathers the head again for the backward; the losses of three steps (each rank its own batch) and
+    the weights after them equal the stock model's under ZeRO-3. Needs DeepSpeed (``pip install deepspeed``; not in
+    the dev extra: it builds from source)."""
+    pytest.importorskip("deepspeed", reason="needs DeepSpeed")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_zero3_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
 @needs_transformers
 def test_auto_fused_model_from_pretrained_and_from_config(tmp_path, counters):
     """AutoFusedModelForCausalLM takes AutoModelForCausalLM's arguments and returns the loaded model applied."""

@@ -555,12 +555,17 @@ _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__
 _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_, torch.Tensor.__itruediv__}
 _TANH = {torch.tanh, torch.Tensor.tanh, torch.Tensor.tanh_, nn.functional.tanh}
 _SAME = {torch.Tensor.float, torch.Tensor.contiguous, torch.Tensor.to}
+# detach: DeepSpeed ZeRO-3's hook wraps a module's output in an autograd function whose forward is a detach
+_IDENTITY = {torch.Tensor.detach}
 
 
 def _step_kind(func, args, kwargs) -> tuple[str, float | None]:
     """("scale", s) for a multiplication of the probe by a constant s (a division: 1 / s), ("tanh", None),
-    ("same", None) for a cast to a floating dtype or a copy, else ("other", None)."""
+    ("same", None) for a cast to a floating dtype or a copy, ("identity", None) for a detach (not replayed), else
+    ("other", None)."""
     others = [a for a in args if not isinstance(a, _LogitsProbe)]
+    if func in _IDENTITY and not others and not kwargs:
+        return "identity", None
     if func in _TANH and not others and not kwargs:
         return "tanh", None
     if func in _SAME and all(isinstance(a, torch.dtype) and a.is_floating_point for a in others + [*kwargs.values()]):
@@ -591,15 +596,16 @@ def _logit_transform(logits, placeholder) -> tuple[float, float | None] | None:
                 inner *= value
         elif kind == "tanh" and not capped:
             capped = True
-        elif kind != "same":
+        elif kind not in ("same", "identity"):
             return None
     return (inner * outer, outer) if capped else (inner, None)
 
 
 def _replay(logits: torch.Tensor, steps: tuple) -> torch.Tensor:
     """The model's post-processing (the steps recorded on its logits) applied to real logits."""
-    for *_, func, args, kwargs in steps:
-        logits = func(*(logits if a is None else a for a in args), **kwargs)
+    for kind, _, func, args, kwargs in steps:
+        if kind != "identity":
+            logits = func(*(logits if a is None else a for a in args), **kwargs)
     return logits
 
 
@@ -738,8 +744,11 @@ def _fused_forward(model, inner, args, kwargs):
         return stock(*args, **kwargs)
 
     hidden = captured[0]
-    with torch._C.DisableTorchFunctionSubclass():  # + 0, through the head's output (see fused_head)
-        loss = losses[0] + placeholders[0].sum()
+    # + 0 through the model's logits, which derive from the head's placeholder (see fused_head): the gradient passes
+    # every hook a framework put on the head's output on its way, as stock logits' would (DeepSpeed ZeRO-3 wraps the
+    # output in an autograd function whose backward gathers the head's weight for the head's backward)
+    with torch._C.DisableTorchFunctionSubclass():
+        loss = losses[0] + output.logits.sum()
     logits = _replay(head(hidden), getattr(output.logits, "steps", ())) if return_logits else None
     values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
     values.update(loss=loss, logits=logits)
