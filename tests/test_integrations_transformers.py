@@ -844,7 +844,7 @@ def test_fsdp2_sharded_head_matches_stock(head_unit, tmp_path):
     mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "init"), head_unit), nprocs=2, join=True)
 
 
-def _zero3_worker(rank: int, world: int, init_file: str) -> None:
+def _zero3_worker(rank: int, world: int, init_file: str, device: str = "cpu") -> None:
     """One rank: a tiny Llama applied and wrapped by DeepSpeed ZeRO-3 (every parameter partitioned across the ranks
     outside its module's call: the head's weight is empty there), against the same stock model wrapped the same way
     (ZeRO-3's own reduction and optimizer step on both sides), on the same batches."""
@@ -862,9 +862,14 @@ def _zero3_worker(rank: int, world: int, init_file: str) -> None:
 
     flf.linear_cross_entropy = recorded
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model, _ = _tiny("llama", tie_word_embeddings=False)
+        model.to(device)
         stock = copy.deepcopy(model)
         head_shape = tuple(model.lm_head.weight.shape)
         flt.apply(model)
@@ -874,7 +879,7 @@ def _zero3_worker(rank: int, world: int, init_file: str) -> None:
         stock_engine, *_ = deepspeed.initialize(model=stock, config=config)
         assert engine.module.lm_head.weight.numel() == 0  # partitioned outside forward
         for step in range(3):  # each step on the weights the previous one left (gathered, stepped, partitioned)
-            batch = _batch("left", seed=1 + rank + 2 * step)
+            batch = _batch("left", device=device, seed=1 + rank + 2 * step)
             loss, stock_loss = engine(**batch).loss, stock_engine(**batch).loss
             torch.testing.assert_close(loss, stock_loss, msg=f"step {step}")
             for e, value in ((engine, loss), (stock_engine, stock_loss)):
@@ -905,6 +910,18 @@ def test_deepspeed_zero3_matches_stock(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_zero3_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+@needs_transformers
+@pytest.mark.cuda
+def test_cuda_deepspeed_zero3_matches_stock(tmp_path):
+    """As the CPU test, on the GPUs (NCCL, one process each, at most 2; one GPU still partitions: ZeRO-3 frees every
+    parameter outside its module's call), the kernels computing the fused loss and attention."""
+    pytest.importorskip("deepspeed", reason="needs DeepSpeed")
+    import torch.multiprocessing as mp
+
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_zero3_worker, args=(world, str(tmp_path / "init"), "cuda"), nprocs=world, join=True)
 
 
 @needs_transformers
