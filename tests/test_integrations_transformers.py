@@ -479,6 +479,19 @@ def test_gemma2_final_logit_softcap_is_fused(counters):
 
 
 @needs_transformers
+def test_softcap_whose_steps_round_is_not_a_new_transform(counters):
+    """Gemma 2's x / cap * cap is 1 only up to a rounding for caps such as 49: still the config's transform, fused
+    from the first call with no fallback."""
+    assert (1 / 49) * 49 != 1.0
+    model, _ = _tiny("gemma2", final_logit_softcapping=49.0)
+    stock = copy.deepcopy(model)
+    flt.apply(model)
+    batch = _batch("left")
+    torch.testing.assert_close(model(**batch).loss, stock(**batch).loss)
+    assert not flt.fallbacks and counters["loss"] == 1
+
+
+@needs_transformers
 def test_gemma2_without_softcap_is_fused(counters):
     model, stock, reference, loss, stock_loss, ref_loss = _check_parity(
         "gemma2", "left", counters, attn_logit_softcapping=None, final_logit_softcapping=None)

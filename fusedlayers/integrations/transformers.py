@@ -87,6 +87,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import re
 import sys
 import textwrap
@@ -598,7 +599,15 @@ def _logit_transform(logits, placeholder) -> tuple[float, float | None] | None:
             capped = True
         elif kind not in ("same", "identity"):
             return None
-    return (inner * outer, outer) if capped else (inner, None)
+    scale = inner * outer if capped else inner
+    scale = 1.0 if math.isclose(scale, 1.0, rel_tol=1e-12) else scale  # Gemma's x / cap * cap: 1 up to a rounding
+    return (scale, outer) if capped else (scale, None)
+
+
+def _same_transform(a: tuple[float, float | None], b: tuple[float, float | None]) -> bool:
+    """Equal up to the rounding of the steps' products (a config's 1 / logits_scaling against the model's division)."""
+    return (math.isclose(a[0], b[0], rel_tol=1e-12) and (a[1] is None) == (b[1] is None)
+            and (a[1] is None or math.isclose(a[1], b[1], rel_tol=1e-12)))
 
 
 def _replay(logits: torch.Tensor, steps: tuple) -> torch.Tensor:
@@ -727,7 +736,7 @@ def _fused_forward(model, inner, args, kwargs):
                   "other than by a constant scale and soft-cap (or does not call it exactly once), which the fused "
                   "loss cannot reproduce")
         state["loss_unsupported"] = reason  # a property of the model: stock from now on
-    elif found != transform:  # learned now: the next calls take it
+    elif not _same_transform(found, transform):  # learned now: the next calls take it
         state["logit_transform"] = found
         reason = ("logit_transform", f"{type(model).__name__} scales or soft-caps its logits other than its config "
                   f"says; the loss takes logit_scale={found[0]}, softcap={found[1]} from the next call")
