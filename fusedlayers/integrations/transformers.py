@@ -424,10 +424,34 @@ def _apply_attention(model: PreTrainedModel, state: dict) -> None:
     if model.config._attn_implementation != name:
         for config, value in previous:
             config._attn_implementation_internal = value
-        warnings.warn(f"fusedlayers: {type(model).__name__} cannot switch its attention implementation (it does not "
-                      "use transformers' AttentionInterface); attention left as it was", stacklevel=3)
-        return
+        switched, stock = _switch_sub_models(model, name)
+        if not switched:
+            warnings.warn(f"fusedlayers: {type(model).__name__} cannot switch its attention implementation (it does "
+                          "not use transformers' AttentionInterface); attention left as it was", stacklevel=3)
+            return
+        warnings.warn(f"fusedlayers: {type(model).__name__}'s {', '.join(stock)} cannot switch its attention "
+                      "implementation (it does not use transformers' AttentionInterface): left as it was; "
+                      f"{', '.join(switched)} switched", stacklevel=3)
     state["attention"] = previous
+
+
+def _switch_sub_models(model: PreTrainedModel, name: str) -> tuple[list[str], list[str]]:
+    """For a composite model that cannot switch as a whole (e.g. a vision tower written before the
+    AttentionInterface): switch each sub-model that can ((keys switched, keys left))."""
+    switched, stock = [], []
+    for key in getattr(model.config, "sub_configs", {}):
+        sub = getattr(model.config, key, None)
+        if sub is None or not hasattr(sub, "_attn_implementation"):
+            continue
+        before = sub.__dict__.get("_attn_implementation_internal")
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            model.set_attn_implementation({key: name})
+        if getattr(model.config, key)._attn_implementation == name:
+            switched.append(key)
+        else:
+            sub._attn_implementation_internal = before
+            stock.append(key)
+    return switched, stock
 
 
 def _revert_attention(state: dict) -> None:
