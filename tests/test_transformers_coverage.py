@@ -85,3 +85,13 @@ def test_parts_that_must_stay_stock(model_type):
     else:
         assert not result.fused(part), summary_line(result)
     assert result.parity_ok, parity_text(result)
+
+
+def test_composite_model_switches_the_sub_models_that_can():
+    """GOT-OCR2: its vision tower predates the AttentionInterface and cannot switch, its language model can: the
+    language model's attention and the loss are fused (a text batch), the warning names the part left stock."""
+    result = run_arch("got_ocr2", architectures()["got_ocr2"], time_limit_s=None, candidates=False)
+    assert result.builds and not result.fused_error, result.fused_error
+    assert result.attention_fused and result.loss_fused, summary_line(result)
+    assert len(result.apply_warnings) == 1 and result.apply_warnings[0].startswith("vision_config cannot switch")
+    assert result.parity_ok, parity_text(result)

@@ -437,11 +437,13 @@ def _apply_attention(model: PreTrainedModel, state: dict) -> None:
 
 def _switch_sub_models(model: PreTrainedModel, name: str) -> tuple[list[str], list[str]]:
     """For a composite model that cannot switch as a whole (e.g. a vision tower written before the
-    AttentionInterface): switch each sub-model that can ((keys switched, keys left))."""
+    AttentionInterface): switch each sub-model that can ((sub-config keys switched, keys left)). Only sub-configs
+    that are a sub-model's own config count (not, e.g., MPT's ``attn_config``)."""
     switched, stock = [], []
+    model_configs = {id(m.config) for m in model.modules() if isinstance(m, PreTrainedModel) and m is not model}
     for key in getattr(model.config, "sub_configs", {}):
         sub = getattr(model.config, key, None)
-        if sub is None or not hasattr(sub, "_attn_implementation"):
+        if sub is None or id(sub) not in model_configs:
             continue
         before = sub.__dict__.get("_attn_implementation_internal")
         with contextlib.suppress(ValueError, AttributeError, TypeError):
