@@ -13,6 +13,7 @@ from fusedlayers.backend import keys_per_row
 from fusedlayers.ops import checkpoint as _checkpoint_ops
 from fusedlayers.ops import cross_entropy as _cross_entropy_ops
 from fusedlayers.ops import fake_quantize as _fake_quantize_ops
+from fusedlayers.ops import geglu as _geglu_ops
 from fusedlayers.ops import layer_norm as _layer_norm_ops
 from fusedlayers.ops import linear_cross_entropy as _linear_cross_entropy_ops
 from fusedlayers.ops import linear_log_probs as _linear_log_probs_ops
@@ -26,7 +27,7 @@ from fusedlayers.ops._eager import call
 
 __all__ = ["softmax", "scaled_masked_softmax", "scaled_dot_product_attention", "cross_entropy",
            "linear_cross_entropy", "linear_log_probs", "checkpoint", "fake_quantize", "fake_quantize_dynamic",
-           "rms_norm", "layer_norm", "swiglu", "rotary_embedding", "varlen_attention"]
+           "rms_norm", "layer_norm", "swiglu", "geglu", "rotary_embedding", "varlen_attention"]
 
 
 def softmax(input: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
@@ -1132,6 +1133,21 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     any strides (each read as a (rows, last dim) view in place, e.g. the halves of a fused gate_up projection; a copy
     only where its strides allow no such view), empty too; the output is contiguous. No autocast rule, as torch's
     silu and mul (the inputs' dtypes in, the promoted dtype out)."""
+    _check_gate_up(gate, up)
+    return call(_swiglu_ops.swiglu, gate, up)
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """GeGLU's gating, equal to ``F.gelu(gate, approximate=approximate) * up`` (``approximate``: "none", exact GELU,
+    or "tanh", its tanh form: Gemma's ``gelu_pytorch_tanh``), as :func:`swiglu` in everything else (the same
+    kernels: one pass forward, one backward, fp32 math, any strides)."""
+    _check_gate_up(gate, up)
+    if approximate not in _geglu_ops.APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'none' or 'tanh' (as F.gelu), got {approximate!r}")
+    return call(_geglu_ops.geglu, gate, up, approximate)
+
+
+def _check_gate_up(gate, up) -> None:
     v.check_float_tensor("gate", gate)
     v.check_float_tensor("up", up)
     if gate.shape != up.shape:
@@ -1139,7 +1155,6 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
                          f"{tuple(gate.shape)} and up of shape {tuple(up.shape)}")
     if gate.device != up.device:
         raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
-    return call(_swiglu_ops.swiglu, gate, up)
 
 
 # ----------------------------------------------------------------------------- rotary position embedding

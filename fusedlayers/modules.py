@@ -13,7 +13,7 @@ from fusedlayers.ops import fake_quantize as fq_ops
 from fusedlayers.ops._eager import call
 
 __all__ = ["Softmax", "CheckpointedBlock", "CrossEntropyLoss", "LinearCrossEntropyLoss", "FakeQuantLinear",
-           "RMSNorm", "LayerNorm", "SwiGLUMLP", "ApplyRotaryEmbedding"]
+           "RMSNorm", "LayerNorm", "SwiGLUMLP", "GeGLUMLP", "ApplyRotaryEmbedding"]
 
 
 class Softmax(nn.Module):
@@ -448,6 +448,25 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """Gemma's MLP: ``down_proj(gelu(gate_proj(x), approximate) * up_proj(x))`` with the gating from ``fl.geglu``.
+    ``GeGLUMLP(dim, hidden_dim, bias=False, device=None, dtype=None, approximate="tanh")`` (Gemma's
+    ``gelu_pytorch_tanh``; "none": exact GELU); parameters named as Gemma's, so its MLP's state_dict loads as it is."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False, device=None, dtype=None,
+                 approximate: str = "tanh") -> None:
+        super().__init__(dim, hidden_dim, bias, device, dtype)
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh' (as F.gelu), got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
 
 
 # ----------------------------------------------------------------------------- rotary position embedding

@@ -1,4 +1,5 @@
-"""Triton kernels of SwiGLU, ``silu(gate) * up``, forward and backward (elementwise, memory-bound).
+"""Triton kernels of SwiGLU, ``silu(gate) * up``, forward and backward (elementwise, memory-bound); the same kernels
+compute GeGLU, ``gelu(gate) * up`` (``ACT``: SiLU, GELU's tanh form, exact GELU; ``fusedlayers.kernels.geglu``).
 
 - Forward: reads gate and up, writes out = gate * sigmoid(gate) * up (3 tensors moved).
 - Backward: reads dy, gate and up, writes dgate = dy * up * s * (1 + gate * (1 - s)) and dup = dy * gate * s with
@@ -49,15 +50,48 @@ def _sigmoid(g):
     return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + tl.exp(-g))
 
 
+SILU, GELU_TANH, GELU = 0, 1, 2  # ACT
+SQRT_2_OVER_PI = 0.7978845608028654
+GELU_TANH_CUBIC = 0.044715
+INV_SQRT_2 = 0.7071067811865476
+INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _act_and_slope(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32. SiLU: g s, s (1 + g (1 - s)), s = sigmoid(g). GELU's tanh form: 0.5 g (1 +
+    tanh(a)) = g sigmoid(2a), a = sqrt(2 / pi) (g + 0.044715 g^3) -- written with the sigmoid, no 1 + tanh to cancel
+    where g is very negative; its slope s + 2 g s (1 - s) a', with 1 - s = sigmoid(-2a) from the same exponential (not
+    a difference that cancels as s -> 1). Exact GELU: g Phi(g), slope Phi(g) + g phi(g)."""
+    if ACT == 0:
+        s = _sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        a2 = 2.0 * SQRT_2_OVER_PI * (g + GELU_TANH_CUBIC * g * g * g)
+        e = tl.exp(-tl.abs(a2))
+        r = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+        s = tl.where(a2 >= 0, r, e * r)  # sigmoid(a2)
+        s_neg = tl.where(a2 >= 0, e * r, r)  # sigmoid(-a2) = 1 - s
+        da2 = 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * g * g)
+        return g * s, s + g * s * s_neg * da2
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * INV_SQRT_2))
+        return g * cdf, cdf + g * INV_SQRT_2PI * tl.exp(-0.5 * g * g)
+
+
 @triton.jit
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, n_cols, stride_gr, stride_gc, stride_ur, stride_uc,
-    BLOCK: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row, cols, mask = _offsets(n_cols, BLOCK)
     g = tl.load(gate_ptr + row * stride_gr + cols * stride_gc, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_ur + cols * stride_uc, mask=mask, other=0.0).to(tl.float32)
-    out = g * _sigmoid(g) * u
+    if ACT == 0:
+        out = g * _sigmoid(g) * u
+    else:
+        act, _ = _act_and_slope(g, ACT)
+        out = act * u
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -65,19 +99,19 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_cols,
     stride_dr, stride_dc, stride_gr, stride_gc, stride_ur, stride_uc,
-    NEED_DGATE: tl.constexpr, NEED_DUP: tl.constexpr, BLOCK: tl.constexpr,
+    NEED_DGATE: tl.constexpr, NEED_DUP: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row, cols, mask = _offsets(n_cols, BLOCK)
     dy = tl.load(dy_ptr + row * stride_dr + cols * stride_dc, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + row * stride_gr + cols * stride_gc, mask=mask, other=0.0).to(tl.float32)
-    s = _sigmoid(g)
+    act, slope = _act_and_slope(g, ACT)
     out_offsets = row * n_cols + cols
     if NEED_DGATE:
         u = tl.load(up_ptr + row * stride_ur + cols * stride_uc, mask=mask, other=0.0).to(tl.float32)
-        dgate = dy * u * s * (1.0 + g * (1.0 - s))
+        dgate = dy * u * slope
         tl.store(dgate_ptr + out_offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
     if NEED_DUP:
-        dup = dy * g * s
+        dup = dy * act
         tl.store(dup_ptr + out_offsets, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,20 +133,21 @@ def _block(n_cols: int) -> int:
     return max(MIN_BLOCK, min(BLOCK, next_power_of_2(n_cols)))
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """silu(gate) * up (same shapes, any strides) as a new contiguous tensor of ``out_dtype``."""
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype, act: int = SILU) -> torch.Tensor:
+    """act(gate) * up (same shapes, any strides; ``act``: SILU, GELU_TANH or GELU) as a new contiguous tensor of
+    ``out_dtype``."""
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
     if out.numel() == 0:
         return out
     (g, u), n_rows, n_cols, strides = _views([gate, up])
     block = _block(n_cols)
     launch(_swiglu_fwd_kernel, (n_rows * cdiv(n_cols, block),), g, u, out, n_cols, *strides,
-           BLOCK=block, num_warps=WARPS)
+           ACT=act, BLOCK=block, num_warps=WARPS)
     return out
 
 
-def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, need_dgate: bool, need_dup: bool
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, need_dgate: bool, need_dup: bool,
+                    act: int = SILU) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dgate, dup) in gate's and up's dtypes (contiguous; None where not asked for) for the upstream ``grad``."""
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if need_dgate else None
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if need_dup else None
@@ -122,5 +157,5 @@ def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ne
     block = _block(n_cols)
     launch(_swiglu_bwd_kernel, (n_rows * cdiv(n_cols, block),), d, g, u,
            dgate if dgate is not None else g, dup if dup is not None else g, n_cols, *strides,
-           NEED_DGATE=need_dgate, NEED_DUP=need_dup, BLOCK=block, num_warps=WARPS)
+           NEED_DGATE=need_dgate, NEED_DUP=need_dup, ACT=act, BLOCK=block, num_warps=WARPS)
     return dgate, dup
