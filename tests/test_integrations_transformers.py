@@ -114,7 +114,8 @@ def counters(monkeypatch):
     """Calls of fl.scaled_dot_product_attention / fl.linear_cross_entropy, and the integration's fallbacks."""
     import fusedlayers.functional as flf
 
-    calls = {"attention": [], "loss": 0, "rms_norm": 0, "layer_norm": 0, "swiglu": 0, "rotary_embedding": 0}
+    calls = {"attention": [], "loss": 0, "rms_norm": 0, "layer_norm": 0, "swiglu": 0, "geglu": 0,
+             "rotary_embedding": 0}
     attention, loss = flf.scaled_dot_product_attention, flf.linear_cross_entropy
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -123,7 +124,7 @@ def counters(monkeypatch):
 
         return wrapper
 
-    for name in ("rms_norm", "layer_norm", "swiglu", "rotary_embedding"):
+    for name in ("rms_norm", "layer_norm", "swiglu", "geglu", "rotary_embedding"):
         monkeypatch.setattr(flf, name, counted(name, getattr(flf, name)))
 
     def counted_attention(*args, **kwargs):
@@ -179,7 +180,7 @@ ARCHS = ["llama", "qwen2", "mistral", "gemma", "gpt2", "phi"]
 LLAMA_LAYERS = dict(rms_norm=(2, 1), swiglu=(1, 0), rotary_embedding=(1, 0))
 LAYERS = {  # arch -> {fused op: (calls per layer, other calls)} in one forward after apply
     "llama": LLAMA_LAYERS, "qwen2": LLAMA_LAYERS, "mistral": LLAMA_LAYERS,
-    "gemma": dict(rms_norm=(2, 1), rotary_embedding=(1, 0)),  # (1 + weight) RMSNorm; a GELU gate stays stock
+    "gemma": dict(rms_norm=(2, 1), geglu=(1, 0), rotary_embedding=(1, 0)),  # (1 + weight) RMSNorm; a GELU gate
     "gpt2": dict(layer_norm=(2, 1)),
     "phi": dict(layer_norm=(1, 1), rotary_embedding=(1, 0)),  # parallel block, partial rotary; a GELU MLP
 }

@@ -27,7 +27,7 @@ SAMPLE = {
     "qwen2": ({}, {"norm", "mlp", "rotary"}),
     "qwen3": ({}, {"norm", "mlp", "rotary"}),  # its q/k norms are Llama's RMSNorm too
     "mistral": ({}, {"norm", "mlp", "rotary"}),  # sliding window 8 < 12 tokens
-    "gemma": ({}, {"norm", "rotary"}),  # (1 + weight) RMSNorm; a GELU gate stays stock
+    "gemma": ({}, {"norm", "mlp", "rotary"}),  # (1 + weight) RMSNorm; a GELU (tanh form) gate: fl.geglu
     "gemma2": ({}, {"norm", "rotary"}),  # attention and final-logit soft-caps fused
     "gpt2": ({}, {"norm"}),  # nn.LayerNorm
     "phi": ({}, {"norm", "rotary"}),  # partial rotary, lm_head with a bias

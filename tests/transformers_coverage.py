@@ -50,7 +50,7 @@ TIME_LIMIT_S = 60  # per architecture
 REL_DIFF_IGNORE = 1e-4  # see Result.max_rel_diff
 NO_REFERENCE_RTOL = 1e-4  # fused vs stock (both fp32) where no float64 copy runs: max|f - s| <= rtol max|s| + floor
 COUNTED = ("scaled_dot_product_attention", "varlen_attention", "linear_cross_entropy", "rms_norm", "layer_norm",
-           "swiglu", "rotary_embedding")
+           "swiglu", "geglu", "rotary_embedding")
 ATTENTION_REASONS = ("softcap", "sinks", "position_bias", "mask_type", "layout", "dtype", "head_dim",
                      "sliding_window", "mask_shape")
 LOSS_REASONS = ("lm_head", "loss_function", "logits_postprocessed")
@@ -437,7 +437,7 @@ class Result:
     def fused(self, part: str) -> bool:
         c = self.calls
         return {"attention": self.attention_fused, "loss": self.loss_fused,
-                "norm": bool(c["rms_norm"] + c["layer_norm"]), "mlp": bool(c["swiglu"]),
+                "norm": bool(c["rms_norm"] + c["layer_norm"]), "mlp": bool(c["swiglu"] + c["geglu"]),
                 "rotary": bool(c["rotary_embedding"])}[part]
 
     @property
@@ -1038,9 +1038,9 @@ def render(results: list[Result], header: dict) -> str:
         "without an attention mask, and with left padding (0 / 3 / 5 tokens) where the stock model accepts it. "
         "Recorded: which fused ops ran (calls of `fusedlayers.functional`'s `scaled_dot_product_attention` / "
         "`varlen_attention` = attention, `linear_cross_entropy` = loss, `rms_norm` / `layer_norm` = norm, `swiglu` "
-        "= mlp, `rotary_embedding` = rotary; the loss counts as fused where its result was kept, attention where "
-        "every attention call ran our op), `flt.fallbacks` (counts over both batches' forwards; `warn:` = a warning "
-        "from `apply`), and parity of the loss and every parameter gradient: the fused fp32 "
+        "/ `geglu` = mlp, `rotary_embedding` = rotary; the loss counts as fused where its result was kept, attention "
+        "where every attention call ran our op), `flt.fallbacks` (counts over both batches' forwards; `warn:` = a "
+        "warning from `apply`), and parity of the loss and every parameter gradient: the fused fp32 "
         "model's error against a float64 copy of the stock model (its Llama/Gemma RMSNorms in float64, "
         "tests/parity.py's `float64_hf_norms`; the loss from its float64 logits where the model's loss is "
         "`ForCausalLMLoss`) at most 2x the stock fp32 model's error plus a floor (fp32: 1e-6; the loss: 1e-6 x its "

@@ -100,7 +100,13 @@ from torch import nn
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
-    from transformers.activations import SiLUActivation
+    from transformers.activations import (
+        FastGELUActivation,
+        GELUActivation,
+        GELUTanh,
+        NewGELUActivation,
+        SiLUActivation,
+    )
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -911,6 +917,28 @@ def _swiglu_mlp_forward(self, x):
     return self.down_proj(_fl.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _geglu_mlp_forward(approximate: str):
+    def forward(self, x):
+        return self.down_proj(_fl.geglu(self.gate_proj(x), self.up_proj(x), approximate))
+
+    return forward
+
+
+_GEGLU_FORWARDS = {approximate: _geglu_mlp_forward(approximate) for approximate in ("none", "tanh")}
+
+
+def _gelu_approximation(act) -> str | None:
+    """GELU's form an activation module computes ("tanh": its tanh form, "none": exact), None if not GELU. The tanh
+    form's modules (GELUTanh, NewGELU, FastGELU) differ only in how they round the same formula."""
+    if isinstance(act, (GELUTanh, NewGELUActivation, FastGELUActivation)):
+        return "tanh"
+    if isinstance(act, GELUActivation):
+        return "none"
+    if type(act) is nn.GELU:
+        return act.approximate
+    return None
+
+
 def _norm_forward(module: nn.Module):
     if type(module) is nn.LayerNorm and module.elementwise_affine:
         return _layer_norm_forward
@@ -925,10 +953,14 @@ def _norm_forward(module: nn.Module):
 
 
 def _mlp_forward(module: nn.Module):
-    if (_same_code(type(module).forward, _llama.LlamaMLP.forward)
-            and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU))):
+    """Llama's MLP code with a SiLU gate: fl.swiglu; with a GELU gate (Gemma's): fl.geglu."""
+    if not _same_code(type(module).forward, _llama.LlamaMLP.forward):
+        return None
+    act = getattr(module, "act_fn", None)
+    if isinstance(act, (SiLUActivation, nn.SiLU)):
         return _swiglu_mlp_forward
-    return None
+    approximate = _gelu_approximation(act)
+    return _GEGLU_FORWARDS[approximate] if approximate is not None else None
 
 
 def _apply_module_forwards(model: PreTrainedModel, state: dict, what: str, choose) -> None:
