@@ -43,20 +43,22 @@ def peers() -> dict:
     return result
 
 
-def rows_to_time() -> list[dict]:
+def rows_to_time(peers: dict, shapes: list, op: str) -> list[dict]:
+    """fwd and fwd+bwd rows of each peer ``f(gate, up)`` (Liger's given copies: it writes over its inputs) at each
+    (rows, intermediate) shape, bf16."""
     rows = []
-    for n_rows, inter in SHAPES:
+    for n_rows, inter in shapes:
         shape = (n_rows, inter)
         gate = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         up = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        for name, f in peers().items():
+        for name, f in peers.items():
             if name == "liger":  # in place over its inputs and dy: its own copies
                 inputs = [gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()]
                 grads = [grad.clone()]
             else:
                 inputs, grads = [gate, up], [grad]
-            label = f"swiglu {n_rows // 1024}K rows"
+            label = f"{op} {n_rows // 1024}K rows"
             rows.append(dict(op=label, cols=inter, mode="fwd", impl=name, n_bytes=3 * gate.numel() * 2,
                              fn=lambda f=f, inputs=inputs: f(*inputs)))
             rows.append(dict(op=label, cols=inter, mode="fwd+bwd", impl=name, n_bytes=8 * gate.numel() * 2,
@@ -72,7 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
-    rows = rows_to_time()
+    rows = rows_to_time(peers(), SHAPES, "swiglu")
     time_rows(rows, copy_bw, args.rounds)
     header = (
         f"# swiglu — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
