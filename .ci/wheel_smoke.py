@@ -220,6 +220,13 @@ def _():
     same_as(mlp, lambda t: mlp.down_proj(F.silu(mlp.gate_proj(t)) * mlp.up_proj(t)), x)
 
 
+@check("geglu", "GeGLUMLP")
+def _():
+    same_as(lambda g, u: fl.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u, x, torch.randn_like(x))
+    mlp = fl.GeGLUMLP(33, 40)
+    same_as(mlp, lambda t: mlp.down_proj(F.gelu(mlp.gate_proj(t), approximate="tanh") * mlp.up_proj(t)), x)
+
+
 @check("use_backend", "current_backend", "use_deterministic_attention")
 def _():
     with fl.use_backend("reference"):
