@@ -66,7 +66,9 @@ def rows_to_time(peers: dict, shapes: list, op: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def run(op: str, peers: dict, shapes: list, what: str = "") -> None:
+    """The command line of this benchmark and ``bench_geglu.py``: time ``peers`` at ``shapes``, print / write the
+    table (``what``: a word on the op's variant for the header)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write the Markdown table here")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (each row: its best)")
@@ -74,13 +76,13 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
-    rows = rows_to_time(peers(), SHAPES, "swiglu")
+    rows = rows_to_time(peers, shapes, op)
     time_rows(rows, copy_bw, args.rounds)
     header = (
-        f"# swiglu — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"python {platform.python_version()}. bf16 gate and up of (rows, intermediate) = {SHAPES}; device-to-device "
-        f"copy {copy_bw / 1e12:.2f} TB/s (read + write) measured in the same run. Each row: the best of "
-        f"{args.rounds} interleaved rounds of a do_bench median; fwd+bwd computes both gradients.\n"
+        f"# {op} — {device}\n\n{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"python {platform.python_version()}. bf16 gate and up of (rows, intermediate) = {shapes}{what}; "
+        f"device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write) measured in the same run. Each row: the best "
+        f"of {args.rounds} interleaved rounds of a do_bench median; fwd+bwd computes both gradients.\n"
         "Bytes: fwd 3 tensors (gate, up read; out written), fwd+bwd 8 (+ dy, gate, up read; dgate, dup written). "
         "Target: >= 90% of copy and >= 1.0x the best of torch.compile and Liger in every row.\n\n"
     )
@@ -88,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run("swiglu", peers(), SHAPES)
