@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from fusedlayers import _validate as v
 from fusedlayers.backend import use_triton
-from fusedlayers.functional import _head_compute_dtype, linear_log_probs
+from fusedlayers.functional import _check_logit_transform, _head_compute_dtype, linear_log_probs
 from fusedlayers.ops._eager import call
 from fusedlayers.ops.linear_cross_entropy import (
     _accumulator,
@@ -68,6 +69,23 @@ JSD_BUFFER_BYTES = 512 * 2**20
 
 
 # ----------------------------------------------------------------------------- the fused head pass
+
+
+class _Head(NamedTuple):
+    """How the head's logits x become the distribution's: z = softcap * tanh(logit_scale * x / softcap) (softcap
+    None: logit_scale * x), then z / temperature -- TRL's ``final_logit_softcapping``, ``logit_scale`` (Cohere,
+    Granite, ...) and ``temperature``."""
+
+    temperature: float
+    logit_scale: float
+    softcap: float | None
+
+
+def _head(temperature, logit_scale, softcap) -> _Head:
+    temperature = v.check_number("temperature", temperature)
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return _Head(temperature, *_check_logit_transform(logit_scale, softcap))
 
 
 class _Rows:
@@ -114,7 +132,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     module's docstring) and scaled by the upstream gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, rows, chunk_loss, temperature, want_entropy, want_stats, compute_dtype,
+    def forward(ctx, x, weight, bias, target, rows, chunk_loss, head, want_entropy, want_stats, compute_dtype,
                 needs, accumulation_dtype):
         total = []
 
@@ -132,7 +150,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             return grads[0], (grads[1] if ent is not None else None)
 
         lp, ent, _, stats, gx, gw, gb = chunked_linear_log_probs(
-            x, weight, target, bias, -100, 1.0, None, temperature, 0, compute_dtype, want_entropy, want_stats,
+            x, weight, target, bias, -100, head.logit_scale, head.softcap, head.temperature, 0, compute_dtype,
+            want_entropy, want_stats,
             row_grads, *needs, bounds=rows.bounds, accumulation_dtype=accumulation_dtype or weight.dtype)
         _save_gradients(ctx, (gx, gw, gb), (x, weight, bias))
         loss = torch.stack(total).sum() if total else x.new_zeros((), dtype=lp.dtype)
@@ -170,7 +189,7 @@ def _scaled_gradients(ctx, grad: Tensor) -> list[Tensor | None]:
     return out
 
 
-def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Rows, temperature: float,
+def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Rows, head: _Head,
                 want_entropy: bool = False, accumulation_dtype: torch.dtype | None = None, want_stats: bool = False):
     """Runs ``chunk_loss`` over the chunks of ``rows`` through the head; returns (loss, per-row log-probs, entropy
     and statistics (mean logit, log sum p^2, is-argmax), detached; the last two None unless asked for)."""
@@ -178,7 +197,7 @@ def _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows: _Ro
     grad = torch.is_grad_enabled()
     needs = (grad and input.requires_grad, grad and linear_weight.requires_grad,
              grad and linear_bias is not None and linear_bias.requires_grad)
-    return _FusedHeadLoss.apply(rows.x, linear_weight, linear_bias, rows.target, rows, chunk_loss, temperature,
+    return _FusedHeadLoss.apply(rows.x, linear_weight, linear_bias, rows.target, rows, chunk_loss, head,
                                 want_entropy, want_stats, compute_dtype, needs, accumulation_dtype)
 
 
@@ -196,7 +215,7 @@ def _budget(input: Tensor, linear_weight: Tensor, chunk_size: int | None) -> int
 
 
 def _reference_log_probs(rows: _Rows, ref_input, ref_linear_weight, ref_linear_bias, target, order, ignore_index,
-                         temperature) -> Tensor:
+                         head: _Head) -> Tensor:
     """Per-row log-probs of a reference head (no gradient) for the rows of ``rows``."""
     if order is not None:
         ref_input, target = ref_input[order], target[order]
@@ -204,17 +223,17 @@ def _reference_log_probs(rows: _Rows, ref_input, ref_linear_weight, ref_linear_b
     with torch.no_grad():
         return linear_log_probs(ref_input[valid].detach(), ref_linear_weight.detach(), rows.target,
                                 linear_bias=ref_linear_bias.detach() if ref_linear_bias is not None else None,
-                                temperature=temperature)
+                                temperature=head.temperature, logit_scale=head.logit_scale, softcap=head.softcap)
 
 
 def _reference_sums(rows: _Rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, order,
-                    ignore_index, temperature, dtype) -> Tensor:
+                    ignore_index, head: _Head, dtype) -> Tensor:
     """The reference's per-sequence log-prob sums in ``rows``' order: ``ref_log_probs`` as given, or from its own
     hidden states and head."""
     if ref_log_probs is not None:
         return (ref_log_probs if order is None else ref_log_probs[order]).detach().to(dtype)
     ref_rows = _reference_log_probs(rows, ref_input, ref_linear_weight, ref_linear_bias, target, order, ignore_index,
-                                    temperature)
+                                    head)
     return ref_rows.new_zeros(rows.n_seq).index_add(0, rows.seq, ref_rows)
 
 
@@ -329,8 +348,8 @@ def linear_dpo_loss(
     ref_linear_weight: Tensor | None = None, ref_log_probs: Tensor | None = None, linear_bias: Tensor | None = None,
     ref_linear_bias: Tensor | None = None, beta: float = 0.1, loss_type: str | list[str] = "sigmoid",
     loss_weights: list[float] | None = None, label_smoothing: float = 0.0, discopop_tau: float = 0.05,
-    ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
-    accumulation_dtype: torch.dtype | None = None, token_statistics: bool = False,
+    ignore_index: int = -100, temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
+    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None, token_statistics: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO (TRL's ``DPOTrainer``) on a linear head: the mean over pairs of the per-pair loss of ``loss_type`` (a
     name of :data:`DPO_LOSS_TYPES`, or a list combined with ``loss_weights``, as TRL's ``loss_type`` list) of
@@ -346,6 +365,7 @@ def linear_dpo_loss(
     entropy, mean_logits, is_top1 (computed in the same pass).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
+    head = _head(temperature, logit_scale, softcap)
     _check_reference(ref_input, ref_linear_weight, ref_log_probs, input, (input.shape[0],))
     types, weights = _check_loss_types(loss_type, loss_weights, DPO_LOSS_TYPES)
     beta = v.check_number("beta", beta)
@@ -354,7 +374,7 @@ def linear_dpo_loss(
     rows = _Rows(input, target, ignore_index, order, 2, _budget(input, linear_weight, chunk_size))
     n_pairs = input.shape[0] // 2
     ref_seq = _reference_sums(rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, order,
-                              ignore_index, temperature, _acc(input))
+                              ignore_index, head, _acc(input))
     lengths = rows.lengths.to(ref_seq.dtype)
     n_chosen_tokens = rows.lengths[0::2].sum().clamp(min=1).to(ref_seq.dtype)
     policy_seq = []
@@ -376,7 +396,7 @@ def linear_dpo_loss(
             loss = loss + w * per_pair.sum() / n_pairs
         return loss
 
-    loss, _, entropy, stats = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, _, entropy, stats = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, head,
                                           want_entropy=token_statistics, accumulation_dtype=accumulation_dtype,
                                           want_stats=token_statistics)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(rows.n_seq)
@@ -400,7 +420,7 @@ def _token_statistics(rows: _Rows, entropy: Tensor, stats: Tensor) -> dict[str, 
 # ----------------------------------------------------------------------------- ORPO, CPO, SimPO
 
 
-def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature, chunk_size, pair_loss,
+def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, head, chunk_size, pair_loss,
                  accumulation_dtype):
     """A reference-free preference loss: ``pair_loss(chosen_seq, rejected_seq, chosen_len, rejected_len)`` per chunk
     of pairs, summed; returns (loss, per-sequence sums, lengths) in pair order."""
@@ -416,7 +436,7 @@ def _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temper
         chosen_len, rejected_len = _pairs(lengths[first:last].to(seq.dtype))
         return pair_loss(chosen, rejected, chosen_len, rejected_len)
 
-    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, head,
                            accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else lengths.new_zeros(rows.n_seq)
     return loss, seq, rows.lengths
@@ -430,7 +450,8 @@ def _log1mexp(x: Tensor) -> Tensor:
 def linear_orpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, nll_target: Tensor | None = None,
     linear_bias: Tensor | None = None, beta: float = 0.1, ignore_index: int = -100, temperature: float = 1.0,
-    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
+    logit_scale: float = 1.0, softcap: float | None = None, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ORPO (TRL's ``ORPOTrainer``): the chosen sequences' NLL (mean over its tokens) minus ``beta`` times the mean
     log-sigmoid of the log odds ratio of the completions' per-token average log-probs; no reference model.
@@ -443,6 +464,7 @@ def linear_orpo_loss(
     reward_margins, nll_loss, log_odds_ratio (mean log-sigmoid of the log odds), log_odds_chosen (mean log odds).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
+    head = _head(temperature, logit_scale, softcap)
     beta = v.check_number("beta", beta)
     n_pairs = input.shape[0] // 2
     scored = target
@@ -475,7 +497,7 @@ def linear_orpo_loss(
             parts[name].append(value.detach())
         return nll - beta * ratio.sum() / n_pairs
 
-    loss, *_ = _fused_loss(input, linear_weight, scored, linear_bias, chunk_loss, rows, temperature,
+    loss, *_ = _fused_loss(input, linear_weight, scored, linear_bias, chunk_loss, rows, head,
                            accumulation_dtype=accumulation_dtype)
     avg = torch.cat(parts["seq"]) / lengths
     chosen_rewards, rejected_rewards = beta * avg[0::2], beta * avg[1::2]
@@ -490,8 +512,8 @@ def linear_orpo_loss(
 def linear_cpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 0.1,
     loss_type: str = "sigmoid", label_smoothing: float = 0.0, cpo_alpha: float = 1.0, simpo_gamma: float = 0.5,
-    alpha: float = 0.0, ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
-    accumulation_dtype: torch.dtype | None = None,
+    alpha: float = 0.0, ignore_index: int = -100, temperature: float = 1.0, logit_scale: float = 1.0,
+    softcap: float | None = None, chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPO (TRL's ``CPOTrainer``): the mean preference loss of ``loss_type`` ("sigmoid", "hinge", "ipo", "simpo")
     on the policy's log-probs alone (sums; per-token averages for "ipo" and "simpo"), plus ``cpo_alpha`` times
@@ -501,6 +523,7 @@ def linear_cpo_loss(
     Metrics: chosen_rewards, rejected_rewards, reward_accuracies, reward_margins, nll_loss.
     """
     _check_sequences(input, linear_weight, target, ignore_index)
+    head = _head(temperature, logit_scale, softcap)
     if loss_type not in ("sigmoid", "hinge", "ipo", "simpo"):
         raise ValueError(f"loss_type must be one of ('sigmoid', 'hinge', 'ipo', 'simpo'), got {loss_type!r}")
     beta = v.check_number("beta", beta)
@@ -533,7 +556,7 @@ def linear_cpo_loss(
             losses = (logits - 1 / (2 * beta)) ** 2
         return losses.sum() / n_pairs + (cpo_alpha * nll if cpo_alpha != 0 else 0.0)
 
-    loss, seq, lengths = _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, temperature,
+    loss, seq, lengths = _pairs_fused(input, linear_weight, target, linear_bias, ignore_index, head,
                                       chunk_size, pair_loss, accumulation_dtype)
     if average:
         seq = seq / lengths.to(seq.dtype)
@@ -549,7 +572,7 @@ def linear_cpo_loss(
 def linear_simpo_loss(
     input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Tensor | None = None, beta: float = 2.0,
     simpo_gamma: float = 0.5, label_smoothing: float = 0.0, cpo_alpha: float = 0.0, ignore_index: int = -100,
-    temperature: float = 1.0, chunk_size: int | None = None,
+    temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None, chunk_size: int | None = None,
     accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SimPO, as TRL runs it (``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``): ``-log sigmoid(beta *
@@ -557,8 +580,8 @@ def linear_simpo_loss(
     :func:`linear_cpo_loss`."""
     return linear_cpo_loss(input, linear_weight, target, linear_bias=linear_bias, beta=beta, loss_type="simpo",
                            label_smoothing=label_smoothing, cpo_alpha=cpo_alpha, simpo_gamma=simpo_gamma,
-                           ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
-                           accumulation_dtype=accumulation_dtype)
+                           ignore_index=ignore_index, temperature=temperature, logit_scale=logit_scale,
+                           softcap=softcap, chunk_size=chunk_size, accumulation_dtype=accumulation_dtype)
 
 
 # ----------------------------------------------------------------------------- KTO
@@ -570,7 +593,8 @@ def linear_kto_loss(
     ref_linear_bias: Tensor | None = None, kl_log_probs: Tensor | None = None,
     ref_kl_log_probs: Tensor | None = None, beta: float = 0.1, desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0, loss_type: str = "kto", ignore_index: int = -100, temperature: float = 1.0,
-    chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
+    logit_scale: float = 1.0, softcap: float | None = None, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KTO (TRL's ``KTOTrainer``): unpaired completions, ``label`` (S,) True for desirable. Per sequence, with the
     log-ratio r = log pi - log pi_ref (sums over the completion) and the reference point z: desirable ``1 -
@@ -583,6 +607,7 @@ def linear_kto_loss(
     Metrics: chosen_rewards, rejected_rewards (beta x log-ratio of each kind), kl, logps (per sequence).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
+    head = _head(temperature, logit_scale, softcap)
     _check_reference(ref_input, ref_linear_weight, ref_log_probs, input, (input.shape[0],))
     if loss_type not in ("kto", "apo_zero_unpaired"):
         raise ValueError(f"loss_type must be 'kto' or 'apo_zero_unpaired', got {loss_type!r}")
@@ -598,7 +623,7 @@ def linear_kto_loss(
         kl = (kl_log_probs.detach().to(_acc(input)) - ref_kl_log_probs.detach().to(_acc(input))).mean().clamp(min=0)
     rows = _Rows(input, target, ignore_index, None, 1, _budget(input, linear_weight, chunk_size))
     ref_seq = _reference_sums(rows, ref_log_probs, ref_input, ref_linear_weight, ref_linear_bias, target, None,
-                              ignore_index, temperature, _acc(input))
+                              ignore_index, head, _acc(input))
     n_seq = input.shape[0]
     weights = torch.where(label, torch.tensor(desirable_weight, dtype=ref_seq.dtype, device=label.device),
                           torch.tensor(undesirable_weight, dtype=ref_seq.dtype, device=label.device))
@@ -616,7 +641,7 @@ def linear_kto_loss(
             losses = torch.where(label[first:last], 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio))
         return (weights[first:last].to(seq.dtype) * losses).sum() / n_seq
 
-    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, *_ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, head,
                            accumulation_dtype=accumulation_dtype)
     seq = torch.cat(policy_seq) if policy_seq else ref_seq.new_zeros(n_seq)
     rewards = beta * (seq - ref_seq)
@@ -635,7 +660,7 @@ def linear_grpo_loss(
     epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None, loss_type: str = "dapo",
     importance_sampling_level: str = "token", max_completion_length: int | None = None,
     num_items_in_batch: int | Tensor | None = None, kl_bias_correction: bool = False, temperature: float = 1.0,
-    ignore_index: int = -100,
+    logit_scale: float = 1.0, softcap: float | None = None, ignore_index: int = -100,
     chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None, token_statistics: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's policy loss (TRL's ``GRPOTrainer._compute_loss``) on a linear head. Per completion token, with the
@@ -659,6 +684,7 @@ def linear_grpo_loss(
     (beta != 0) and coef_1, the importance ratio after ``delta`` ((S, 1) at the sequence level).
     """
     _check_sequences(input, linear_weight, target, ignore_index)
+    head = _head(temperature, logit_scale, softcap)
     n_seq, n_tok = target.shape
     _check_reference(ref_input, ref_linear_weight, ref_log_probs, input, (n_seq, n_tok), required=beta != 0.0)
     if loss_type not in GRPO_LOSS_TYPES:
@@ -680,7 +706,7 @@ def linear_grpo_loss(
             ref_rows = ref_log_probs[valid].detach().to(_acc(input))
         else:
             ref_rows = _reference_log_probs(rows, ref_input, ref_linear_weight, ref_linear_bias, target, None,
-                                            ignore_index, temperature)
+                                            ignore_index, head)
     n_tokens = rows.x.shape[0]
     lengths = rows.lengths.to(_acc(input))
     if loss_type in ("dapo", "cispo"):
@@ -739,7 +765,7 @@ def linear_grpo_loss(
             return per_seq.sum() / n_seq
         return per_token.sum() / normalizer.to(lp.dtype)
 
-    loss, _, entropy, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, temperature,
+    loss, _, entropy, _ = _fused_loss(input, linear_weight, target, linear_bias, chunk_loss, rows, head,
                                       want_entropy=True, accumulation_dtype=accumulation_dtype)
     def mean(parts, dtype=torch.float32):  # TRL's global masked mean (flags as fp32): 0 where there is nothing
         values = torch.cat(parts).to(dtype) if parts else lengths.new_zeros(0, dtype=dtype)

@@ -52,6 +52,7 @@ from fusedlayers.integrations import trl as fltrl  # noqa: E402
 from tests.conftest import INTERPRETER  # noqa: E402
 from tests.parity import assert_parity, loss_floor  # noqa: E402
 from tests.test_recipes import (  # noqa: E402
+    CONFIG,
     TOLERANCE,
     WORDS,
     _assert_same_weights,
@@ -664,6 +665,40 @@ def test_fused_dpo_trainer(variant, monkeypatch, tmp_path):
         if run == "fused":
             assert isinstance(trainer, trl.DPOTrainer) and len(calls) == STEPS * ACCUMULATION
     _assert_runs(logs, models)
+
+
+def _tiny_gemma2(dtype=torch.float32, perturb=False):
+    """A tiny Gemma 2: its final logits soft-capped (and its attention logits), which TRL's fused head reads from
+    the config; ``perturb``: the reference's weights (as :func:`_reference_model`)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**CONFIG, "bos_token_id": None}, head_dim=16, final_logit_softcapping=3.0,
+                                       attn_logit_softcapping=20.0, sliding_window=16, query_pre_attn_scalar=16)
+    config._attn_implementation = "eager"
+    model = transformers.Gemma2ForCausalLM(config)
+    if perturb:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g), alpha=0.02)
+    return model.to(dtype)
+
+
+def test_fused_dpo_trainer_of_a_soft_capped_model(monkeypatch, tmp_path):
+    """Gemma 2 (final logits soft-capped): the fused DPO loss takes the cap TRL's head is given, and matches
+    trl.DPOTrainer's logs and weights at every step."""
+    calls = _count_calls(monkeypatch, "linear_dpo_loss")
+    data = _preference_data()
+    logs, models = [], []
+    for cls in (trl.DPOTrainer, fltrl.DPOTrainer):
+        args = _config(trl.DPOConfig, tmp_path, beta=0.1, dataset_num_proc=None, loss_type=["sigmoid"])
+        trainer = cls(model=_tiny_gemma2(), ref_model=_tiny_gemma2(perturb=True), args=args, train_dataset=data,
+                      processing_class=_tokenizer())
+        logs.append(_train(trainer))
+        models.append(trainer.model)
+        fltrl.revert()
+    assert len(calls) == STEPS * ACCUMULATION, calls
+    _assert_same_logs(logs[0], logs[1])
+    _assert_same_weights(models[0], models[1])
 
 
 def test_fused_dpo_trainer_falls_back_where_the_fused_loss_does_not_apply(monkeypatch, tmp_path):

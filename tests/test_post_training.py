@@ -84,18 +84,24 @@ class _LM(torch.nn.Module):
     """A causal LM whose backbone output for a batch of ``input_ids`` is a given (S, L, H) tensor (looked up by
     value among ``sequences``), with the head ``weight``. ``fused_lm_head=True`` answers as TRL's
     ``add_fused_lm_head`` forward (hidden[:, :-1] against labels[:, 1:], every field 0 where the label is -100),
-    computed from the full logits; otherwise it returns the logits, as the original forward."""
+    computed from the full logits; otherwise it returns the logits, as the original forward. ``transform``: the
+    (logit_scale, softcap) a model applies to its head's output (Cohere's scale, Gemma 2's cap)."""
 
-    def __init__(self, weight, sequences, temperature=1.0):
+    def __init__(self, weight, sequences, temperature=1.0, transform=(1.0, None)):
         super().__init__()
-        self.weight, self.sequences, self.temperature = weight, sequences, temperature
+        self.weight, self.sequences, self.temperature, self.transform = weight, sequences, temperature, transform
         self.is_gradient_checkpointing = False  # read by trl's disable_gradient_checkpointing
+
+    def _logits(self, hidden):
+        logits = F.linear(hidden, self.weight) * self.transform[0]
+        cap = self.transform[1]
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids, attention_mask=None, labels=None, fused_lm_head=False, use_cache=None):
         hidden = next(h for ids, h in self.sequences if ids.shape == input_ids.shape and torch.equal(ids, input_ids))
         if not fused_lm_head:
-            return SimpleNamespace(logits=F.linear(hidden, self.weight))
-        logits = F.linear(hidden[:, :-1], self.weight) / self.temperature
+            return SimpleNamespace(logits=self._logits(hidden))
+        logits = self._logits(hidden[:, :-1]) / self.temperature
         labels = labels[:, 1:]
         mask = labels != -100
         log_p = logits.log_softmax(-1)
@@ -256,7 +262,7 @@ DPO_CASES = [*flp.DPO_LOSS_TYPES, (["sigmoid", "sft"], [1.0, 0.5]), (["hinge", "
 
 
 def _dpo(loss_type, precompute, beta=0.1, label_smoothing=None, discopop_tau=0.05, completions=COMPLETIONS,
-         token_statistics=True, chunk_size=5):
+         token_statistics=True, chunk_size=5, transform=(1.0, None)):
     """DPOTrainer._compute_loss (reverse KL, TRL's defaults otherwise) vs linear_dpo_loss (with
     ``token_statistics``, also the entropy, mean logits and token accuracy TRL logs)."""
     DPOTrainer = _trl("trl.trainer.dpo_trainer", "DPOTrainer")
@@ -265,8 +271,8 @@ def _dpo(loss_type, precompute, beta=0.1, label_smoothing=None, discopop_tau=0.0
         label_smoothing = 0.1 if {"robust", "exo_pair"} & set(types) else 0.0
 
     def theirs(hidden, weight, ref_hidden, ref_weight, **inputs):
-        model = _LM(weight, [(inputs["input_ids"], hidden)])
-        ref_model = _LM(ref_weight, [(inputs["input_ids"], ref_hidden)])
+        model = _LM(weight, [(inputs["input_ids"], hidden)], transform=transform)
+        ref_model = _LM(ref_weight, [(inputs["input_ids"], ref_hidden)], transform=transform)
         trainer = _trainer(
             DPOTrainer, beta=beta, loss_types=types, loss_weights=weights or [1.0] * len(types),
             f_divergence_type="reverse_kl", ld_alpha=None, precompute_ref_logps=precompute, use_weighting=False,
@@ -282,6 +288,7 @@ def _dpo(loss_type, precompute, beta=0.1, label_smoothing=None, discopop_tau=0.0
                                       loss_type=loss_type if weights is None else types, loss_weights=weights,
                                       label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                                       token_statistics=token_statistics, chunk_size=chunk_size,
+                                      logit_scale=transform[0], softcap=transform[1],
                                       **_ref(precompute, ref_hidden[:, :-1], ref_weight, target))
         metrics = {"rewards/chosen": m["chosen_rewards"].mean(), "rewards/rejected": m["rejected_rewards"].mean(),
                    "rewards/accuracies": m["reward_accuracies"].mean(), "rewards/margins": m["reward_margins"].mean(),
@@ -318,6 +325,14 @@ def test_dpo_equals_trl(loss_type, precompute, dtype):
 ], ids=_id)
 def test_dpo_hyperparameters_equal_trl(loss_type, hyper):
     _check(_dpo(loss_type, False, **hyper), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transform", [(0.3, None), (1.0, 0.5), (2.0, 1.5)], ids=["scale", "softcap", "both"])
+def test_dpo_of_scaled_or_soft_capped_logits_equals_trl(transform, dtype):
+    """Models that scale or soft-cap their logits (TRL's ``logit_scale``, ``final_logit_softcapping``): policy and
+    reference heads through the same transform, the token statistics of the transformed logits."""
+    _check(_dpo("sigmoid", False, transform=transform), dtype)
 
 
 # ----------------------------------------------------------------------------- KTO
@@ -404,7 +419,7 @@ GRPO_SETTINGS = {
 }
 
 
-def _grpo(loss_type, level, setting, completions=(4, 6, 0, 5, 2), chunk_size=5):
+def _grpo(loss_type, level, setting, completions=(4, 6, 0, 5, 2), chunk_size=5, transform=(1.0, None)):
     """GRPOTrainer._compute_loss (its _get_per_token_logps_and_entropies on the stub) vs linear_grpo_loss. The batch
     as TRL's: left-padded prompts, right-padded completions (the third one empty), the advantages, the sampling
     policy's per-token log-probs (the current ones, perturbed), and the reference's (its generation step's)."""
@@ -435,7 +450,7 @@ def _grpo(loss_type, level, setting, completions=(4, 6, 0, 5, 2), chunk_size=5):
 
     def theirs(hidden, weight, ref_hidden, ref_weight, **inputs):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        model = _LM(weight, [(input_ids, hidden)], s["temperature"])
+        model = _LM(weight, [(input_ids, hidden)], s["temperature"], transform)
         trainer = _trainer(
             GRPOTrainer, loss_type=loss_type, beta=s["beta"], epsilon_low=s["epsilon_low"],
             epsilon_high=s["epsilon_high"], importance_sampling_level=level, top_entropy_quantile=1.0,
@@ -449,7 +464,7 @@ def _grpo(loss_type, level, setting, completions=(4, 6, 0, 5, 2), chunk_size=5):
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
             with torch.no_grad():
                 inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                    _LM(ref_weight, [(input_ids, ref_hidden)], s["temperature"]), input_ids, attention_mask,
+                    _LM(ref_weight, [(input_ids, ref_hidden)], s["temperature"], transform), input_ids, attention_mask,
                     inputs["completion_ids"].shape[1])[0]
         return trainer._compute_loss(model, inputs), _logged(trainer)
 
@@ -464,7 +479,8 @@ def _grpo(loss_type, level, setting, completions=(4, 6, 0, 5, 2), chunk_size=5):
             hidden[:, completion], weight, target, advantages, old_log_probs=old_per_token_logps, beta=s["beta"],
             epsilon_low=s["epsilon_low"], epsilon_high=s["epsilon_high"], delta=s["delta"], loss_type=loss_type,
             importance_sampling_level=level, max_completion_length=max_completion_length,
-            num_items_in_batch=num_items, temperature=s["temperature"], chunk_size=chunk_size, **ref)
+            num_items_in_batch=num_items, temperature=s["temperature"], chunk_size=chunk_size, logit_scale=transform[0],
+            softcap=transform[1], **ref)
         metrics = {"entropy": m["entropy"]}
         if s["beta"]:
             metrics["kl"] = m["kl"]
@@ -490,6 +506,14 @@ def test_grpo_equals_trl(loss_type, level, setting, dtype):
             assert 0 < metrics["cispo_clip_ratio"] < 1
         else:
             assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transform", [(0.3, None), (2.0, 1.5)], ids=["scale", "both"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_of_scaled_or_soft_capped_logits_equals_trl(loss_type, transform, dtype):
+    """A model that scales or soft-caps its logits, with old log-probs, a reference head, KL and a temperature."""
+    _check(_grpo(loss_type, "token", GRPO_SETTINGS["kl-ref-delta"], transform=transform), dtype)
 
 
 # ----------------------------------------------------------------------------- ORPO, CPO, SimPO

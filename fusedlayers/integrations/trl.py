@@ -202,13 +202,11 @@ def _capture_head():
         _captured = None
 
 
-def _logits_transformed(model) -> bool:
-    """Whether the model scales or soft-caps its logits (TRL's fused head reads the same config fields); the fused
-    losses take the plain head, so such models keep TRL's loss."""
-    config = model.config.get_text_config()
-    return any(getattr(config, name, None) is not None
-               for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                            "logits_scaling"))
+def _head_transform(captured) -> dict:
+    """The logit transform TRL's fused head was called with (``final_logit_softcapping`` and ``logit_scale``, which
+    TRL reads from the model's config: Gemma's cap, Cohere's and Granite's scales) as the losses' keywords."""
+    *_, softcap, logit_scale = captured
+    return {"logit_scale": float(logit_scale), "softcap": None if softcap is None else float(softcap)}
 
 
 def dpo_trainer_class():
@@ -234,7 +232,7 @@ def _make_dpo_trainer():
         log-probs, the loss and its gradients in one pass over chunks of pairs, three head products per token
         instead of TRL's four. Same arguments, same loss and logged metrics as TRL's (tested against it); any setting
         the fused loss does not cover (f-divergences other than reverse KL, WPO weighting, ``ld_alpha``, MoE router
-        losses, PEFT without a reference model, models that scale or soft-cap their logits, the aot losses, DeepSpeed
+        losses, PEFT without a reference model, the aot losses, DeepSpeed
         ZeRO-3, whose head is gathered only inside the model's call) runs TRL's own ``_compute_loss``."""
 
         def __init__(self, *args, **kwargs):
@@ -242,11 +240,9 @@ def _make_dpo_trainer():
             super().__init__(*args, **kwargs)
 
         def _fused_loss_applies(self) -> bool:
-            model = self.accelerator.unwrap_model(self.model)
             return (self.f_divergence_type == "reverse_kl" and self.ld_alpha is None and not self.use_weighting
                     and not self.aux_loss_enabled and all(t in post_training.DPO_LOSS_TYPES for t in self.loss_types)
-                    and (self.precompute_ref_logps or self.ref_model is not None)
-                    and not _logits_transformed(model) and not _zero3())
+                    and (self.precompute_ref_logps or self.ref_model is not None) and not _zero3())
 
         def _compute_loss(self, model, inputs, return_outputs):
             if return_outputs or not self._fused_loss_applies():
@@ -279,7 +275,8 @@ def _make_dpo_trainer():
             loss, m = post_training.linear_dpo_loss(
                 hidden, weight, target, ref_log_probs=ref.to(weight.device), linear_bias=bias, beta=self.beta,
                 loss_type=self.loss_types, loss_weights=self.loss_weights, label_smoothing=self.label_smoothing,
-                discopop_tau=self.args.discopop_tau, temperature=temperature, token_statistics=True)
+                discopop_tau=self.args.discopop_tau, temperature=temperature, token_statistics=True,
+                **_head_transform(captured[-1]))
             self._log_dpo_metrics(mode, inputs, mask, m)
             return loss
 
@@ -346,7 +343,7 @@ def _make_grpo_trainer():
         (three head products per token instead of TRL's four). Same arguments, loss and logged metrics as TRL's
         (tested against it); settings the fused loss does not cover (sapo and vespo losses, the entropy mask and
         bonus, off-policy masking, vLLM importance-sampling correction, tool masks, MoE
-        router losses, vision inputs, models that scale or soft-cap their logits, DeepSpeed ZeRO-3) run TRL's own
+        router losses, vision inputs, DeepSpeed ZeRO-3) run TRL's own
         ``_compute_loss``."""
 
         def __init__(self, *args, **kwargs):
@@ -358,8 +355,7 @@ def _make_grpo_trainer():
                     and self.off_policy_mask_threshold is None and not self._entropy_bonus_enabled
                     and not (self.use_vllm and self.vllm_importance_sampling_correction)
                     and not self.aux_loss_enabled
-                    and set(inputs) <= set(_GRPO_MODEL_INPUTS)
-                    and not _logits_transformed(self.accelerator.unwrap_model(self.model)) and not _zero3())
+                    and set(inputs) <= set(_GRPO_MODEL_INPUTS) and not _zero3())
 
         def _compute_loss(self, model, inputs):
             if not self._fused_loss_applies(inputs):
@@ -397,7 +393,7 @@ def _make_grpo_trainer():
                     kl_bias_correction=self.args.use_bias_correction_kl,
                     importance_sampling_level=self.importance_sampling_level,
                     max_completion_length=self.max_completion_length, num_items_in_batch=num_items,
-                    temperature=temperature, token_statistics=True)
+                    temperature=temperature, token_statistics=True, **_head_transform(captured[-1]))
             if self.loss_type not in ("dapo", "cispo"):  # TRL divides these by the accumulation steps
                 loss = loss / accumulation
             self._log_grpo_metrics(mode, mask, inputs["advantages"], m)
