@@ -2051,6 +2051,22 @@ def test_sinks_match_the_written_out_softmax(backend, case):
         assert (run(ours, torch.float32)[0][0, :, 3] == 0).all()
 
 
+def test_sinks_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g).requires_grad_() for _ in range(3))
+    sinks = torch.randn(4, generator=g).requires_grad_()
+
+    def f(q, k, v, s):
+        return fl.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=s).square().sum()
+
+    eager, compiled = f(q, k, v, sinks), torch.compile(f, fullgraph=True)(q, k, v, sinks)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled, (q, k, v, sinks)), torch.autograd.grad(eager, (q, k, v, sinks)),
+                    strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_sinks_bad_input_names_the_argument():
     q = torch.randn(2, 4, 5, 8)
     for sinks, error in ((torch.zeros(3), ValueError), (torch.zeros(4, 1), ValueError),
