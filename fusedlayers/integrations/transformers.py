@@ -120,6 +120,7 @@ except ImportError as _error:
     ) from _error
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
+from fusedlayers.integrations import _legacy_attention  # noqa: E402  (it uses this module at call time only)
 
 __all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied",
            "AutoFusedModelForCausalLM"]
@@ -431,6 +432,12 @@ def _apply_attention(model: PreTrainedModel, state: dict) -> None:
         for config, value in previous:
             config._attn_implementation_internal = value
         switched, stock = _switch_sub_models(model, name)
+        legacy = _legacy_attention.apply(model)
+        if legacy[0]:  # a family whose attention predates the AttentionInterface, its code swapped
+            state["legacy_attention"] = legacy
+        if not switched and legacy[0]:
+            state["attention"] = previous
+            return
         if not switched:
             warnings.warn(f"fusedlayers: {type(model).__name__} cannot switch its attention implementation (it does "
                           "not use transformers' AttentionInterface); attention left as it was", stacklevel=3)
@@ -463,6 +470,7 @@ def _switch_sub_models(model: PreTrainedModel, name: str) -> tuple[list[str], li
 
 
 def _revert_attention(state: dict) -> None:
+    _legacy_attention.revert(*state.pop("legacy_attention", ((), ())))
     for config, value in state.pop("attention", ()):
         config._attn_implementation_internal = value
 
