@@ -20,6 +20,7 @@ pytest.importorskip("transformers", reason='needs transformers (pip install -e "
 
 from fusedlayers import functional as fl  # noqa: E402
 from fusedlayers.integrations import transformers as flt  # noqa: E402
+from tests.parity import FLOOR, assert_parity  # noqa: E402
 from tests.transformers_coverage import (  # noqa: E402
     ARCH_OVERRIDES,
     architectures,
@@ -195,3 +196,36 @@ def test_applied_model_is_freed_by_del():
         assert ref() is None, "the applied model is kept alive by a reference cycle"
     finally:
         gc.enable()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("arch", "overrides"), CASES, ids=IDS)
+def test_cuda_bfloat16_matches_stock(arch, overrides, attention_calls):
+    """On the GPU in bfloat16 (the Triton kernels, masks built on the device): the fused model's loss and gradients
+    within the parity rule against an fp32 copy of the stock model, beside the stock bfloat16 model's."""
+    stock, fused = (m.to("cuda", torch.bfloat16) for m in _pair(arch, overrides, torch.float32))
+    reference = _model(arch, overrides, torch.float32).to("cuda")
+    reference.load_state_dict(stock.state_dict())
+    batch = {k: v.cuda() for k, v in make_batch(stock, "none").items()}
+    losses, grads = {}, {}
+    for name, model in (("fused", fused), ("stock", stock), ("reference", reference)):
+        model.zero_grad(set_to_none=True)
+        losses[name] = model(**batch, use_cache=False).loss
+        losses[name].backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert len(attention_calls) == _layers(fused)
+    assert_parity(losses["fused"].detach().float(), losses["stock"].detach().float(), losses["reference"].detach(),
+                  "loss", floor=FLOOR[torch.bfloat16])
+    for name, g in grads["reference"].items():
+        assert_parity(grads["fused"][name], grads["stock"][name], g, name)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "xglm", "falcon"])
+def test_forward_with_a_cache_is_fused_too(arch, attention_calls):
+    """A training forward that fills a cache (use_cache left on) runs our op and gives the loss without one."""
+    _, fused = _pair(arch, {}, torch.float32)
+    batch = make_batch(fused, "left")
+    without = fused(**batch, use_cache=False).loss
+    out = fused(**batch, use_cache=True)
+    assert getattr(out, "cache", getattr(out, "past_key_values", None)) is not None and len(attention_calls) == 2 * _layers(fused)
+    torch.testing.assert_close(out.loss, without, rtol=0, atol=0)

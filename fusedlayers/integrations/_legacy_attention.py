@@ -174,18 +174,27 @@ def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=Non
     return self.dense(out.reshape(B, L, self.num_heads * self.head_dim)), None
 
 
+def _cache_update(self, cache, key, value, kwargs):
+    """``cache.update`` as the family's stock code calls it: transformers 5.2x's forwards take ``cache`` and pass their
+    keyword arguments on, earlier ones take ``past_key_values`` and do not."""
+    if "cache" in inspect.signature(inspect.unwrap(type(self).forward)).parameters:
+        return cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    return cache.update(key, value, self.layer_idx)
+
+
 def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
     """MPT: optional qkv clipping, scores * softmax_scale + ALiBi bias, then the model's mask (True = drop)."""
-    if _weights_wanted.get() or "past_key_values" in kwargs:
-        return _stock(self, "forward", hidden_states, position_bias, cache=cache, attention_mask=attention_mask,
-                      **kwargs)
+    if _weights_wanted.get():
+        given = {"cache": cache} if cache is not None else {}
+        return _stock(self, "forward", hidden_states, position_bias, attention_mask=attention_mask, **given, **kwargs)
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
     B, L = hidden_states.shape[:2]
     qkv = self.Wqkv(hidden_states)
     if self.clip_qkv:
         qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
     query, key, value = (t.reshape(B, L, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
     if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        key, value = _cache_update(self, cache, key, value, kwargs)
     query_length = L if cache is None else L + cache.get_seq_length()  # stock's slicing of the bias, as it is
     S = key.shape[2]
 
@@ -208,16 +217,18 @@ def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=
 
 def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
     """XGLM (the BART-era attention): scaled query, the model's mask added; self- and cross-attention."""
-    if _weights_wanted.get() or "past_key_values" in kwargs:
-        return _stock(self, "forward", hidden_states, key_value_states, cache=cache, attention_mask=attention_mask,
+    if _weights_wanted.get():
+        given = {"cache": cache} if cache is not None else {}
+        return _stock(self, "forward", hidden_states, key_value_states, attention_mask=attention_mask, **given,
                       **kwargs)
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
     is_cross = key_value_states is not None
     B, L, _ = hidden_states.shape
     query = (self.q_proj(hidden_states) * self.scaling).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-    current = cache
-    if cache is not None and hasattr(cache, "is_updated"):  # an EncoderDecoderCache
+    current, two_caches = cache, cache is not None and hasattr(cache, "is_updated")  # an EncoderDecoderCache
+    if two_caches:
         current = cache.cross_attention_cache if is_cross else cache.self_attention_cache
-    if is_cross and cache is not None and hasattr(cache, "is_updated") and cache.is_updated.get(self.layer_idx):
+    if is_cross and two_caches and cache.is_updated.get(self.layer_idx):
         key, value = current.layers[self.layer_idx].keys, current.layers[self.layer_idx].values
     else:
         states = key_value_states if is_cross else hidden_states
@@ -225,8 +236,8 @@ def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attent
         key = self.k_proj(states).view(B, S, -1, self.head_dim).transpose(1, 2)
         value = self.v_proj(states).view(B, S, -1, self.head_dim).transpose(1, 2)
         if cache is not None:
-            key, value = current.update(key, value, self.layer_idx, kwargs=kwargs)
-            if is_cross and hasattr(cache, "is_updated"):
+            key, value = _cache_update(self, current, key, value, kwargs)
+            if is_cross and two_caches:
                 cache.is_updated[self.layer_idx] = True
     if attention_mask is not None and attention_mask.shape != (B, 1, L, key.shape[2]):
         raise ValueError(f"Attention mask should be of size {(B, 1, L, key.shape[2])}, but is "
