@@ -587,6 +587,28 @@ def test_bfloat16_loss_is_fp32_and_matches_stock(counters):
 
 
 @needs_transformers
+@pytest.mark.parametrize("rotary", [False, True])
+def test_autocast_over_fp32_weights_runs_our_attention(rotary, counters):
+    """Mixed-precision training (fp32 weights, bf16 autocast): transformers' rotary embedding gives an fp32 query and
+    key beside the bf16 value; the attention still runs our op (in bf16, as SDPA under autocast), every layer, with
+    the stock model's loss and gradients under the same autocast (parity rule against the fp32 model)."""
+    model, _ = _tiny("llama")
+    stock, reference = copy.deepcopy(model), copy.deepcopy(model)
+    flt.apply(model, rotary=rotary)
+    batch = _batch("left")
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = model(**batch).loss
+        stock_loss = stock(**batch).loss
+    assert len(counters["attention"]) == model.config.num_hidden_layers and not flt.fallbacks, dict(flt.fallbacks)
+    ref_loss = reference(**batch).loss
+    for value in (loss, stock_loss, ref_loss):
+        value.backward()
+    assert_parity(loss.detach(), stock_loss.detach(), ref_loss.detach(), "loss", floor=FLOOR[torch.bfloat16])
+    for name, grad in _grads(model).items():
+        assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name, floor=FLOOR[torch.bfloat16])
+
+
+@needs_transformers
 def test_scaled_logits_are_fused(counters):
     """Cohere scales the logits after lm_head by its config's logit_scale: the fused loss takes the same scale (and
     return_logits gives the model's scaled logits)."""

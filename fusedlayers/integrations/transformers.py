@@ -349,6 +349,18 @@ def _sparse_mask(module, query, key, attention_mask, is_causal, indices):
     return attention_mask.masked_fill(~keep, torch.finfo(attention_mask.dtype).min)
 
 
+def _autocast_inputs(*tensors):
+    """Under autocast, query, key and value in the autocast dtype (float64 excepted), as SDPA (on autocast's
+    lower-precision list) and our op compute them: the checks below then see what the op runs. Without it, a rotary
+    embedding's fp32 query and key beside the bf16 value (transformers' rotary under autocast over fp32 weights)
+    would read as mixed dtypes and fall back."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -364,6 +376,7 @@ def attention_forward(
     ``fl.scaled_dot_product_attention``: query (B, H, L, D), key/value (B, H_kv, S, D), mask bool (True = keep)
     or additive float broadcastable to (B, H, L, S), or None -> attention output (B, L, H, Dv) and None. See the
     module docstring for the fallbacks."""
+    query, key, value = _autocast_inputs(query, key, value)
     indices = kwargs.pop("indices", None)
     if indices is not None:  # DeepSeek-V3.2-style sparse attention: each query's top-k keys
         attention_mask, is_causal = _sparse_mask(module, query, key, attention_mask, is_causal, indices), False
