@@ -126,7 +126,7 @@ def scaled_dot_product_attention(
     """
     import math
 
-    _check_query_key_value(query, key, value)
+    _check_query_key_value(query, key, value, autocast_casts=True)
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         raise ValueError("query, key and value must have at least 2 dims ((..., L, E) layout), got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -336,11 +336,16 @@ def _varlen_intervals(cu_q: Tensor, cu_k: Tensor, len_q: Tensor, len_k: Tensor, 
     return tuple(t.to(torch.int32) for t in (row_lo, row_hi, col_lo, col_hi))
 
 
-def _check_query_key_value(query: Tensor, key: Tensor, value: Tensor) -> None:
-    """Floating tensors of one dtype on query's device (both attention functions)."""
+def _check_query_key_value(query: Tensor, key: Tensor, value: Tensor, autocast_casts: bool = False) -> None:
+    """Floating tensors of one dtype on query's device (both attention functions). ``autocast_casts``: the op's
+    autocast rule casts them (all but fp64) to one dtype, so under autocast they need only agree after it, as torch's
+    scaled_dot_product_attention accepts a float32 query beside a bfloat16 value there."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         v.check_float_tensor(name, t)
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) > 1 and autocast_casts and torch.is_autocast_enabled(query.device.type):
+        dtypes = {d if d == torch.float64 else None for d in dtypes}
+    if len(dtypes) > 1:
         raise TypeError(f"query, key and value must have the same dtype, got query {query.dtype}, "
                         f"key {key.dtype}, value {value.dtype}")
     for name, t in (("key", key), ("value", value)):

@@ -30,10 +30,10 @@ def test_plain_eager_takes_the_fast_path_and_modes_take_the_op():
     assert _node(fl.softmax(x)) == "_EagerOpBackward"
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        # attention's CPU autocast rule (cast to bf16) must apply: the dispatcher; softmax has a CUDA rule only, so
-        # CPU autocast falls through to it and the fast path runs it
+        # attention's CPU autocast rule is a cast to bf16 (registered as such): the fast path casts as it does;
+        # softmax has a CUDA rule only, so CPU autocast falls through to it and the fast path runs it
         y = fl.scaled_dot_product_attention(q, q, q)
-        assert _node(y) != "_EagerOpBackward" and y.dtype == torch.bfloat16
+        assert _node(y) == "_EagerOpBackward" and y.dtype == torch.bfloat16
         assert _node(fl.softmax(x)) == "_EagerOpBackward"
     with _PassThrough():  # e.g. FakeTensorMode, selective checkpointing, FlopCounterMode
         assert _node(fl.softmax(x)) != "_EagerOpBackward"
@@ -44,6 +44,34 @@ def test_plain_eager_takes_the_fast_path_and_modes_take_the_op():
         assert _node(fl.softmax(x)) != "_EagerOpBackward"
     finally:
         _eager.enabled = True
+
+
+def test_autocast_rule_that_is_not_only_a_cast_takes_the_op(monkeypatch):
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    monkeypatch.setattr(_eager, "_AUTOCAST_CASTS", {})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fl.scaled_dot_product_attention(q, q, q)
+    assert _node(y) != "_EagerOpBackward" and y.dtype == torch.bfloat16
+
+
+def test_autocast_fast_path_equals_the_registered_op_bitwise():
+    """Attention under autocast (fp32 query and key, a bf16 value, an fp32 additive mask): the fast path's cast and
+    body give the dispatcher's output and gradients bit for bit."""
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
+    v, mask = torch.randn(2, 2, 6, 8).bfloat16(), torch.randn(2, 1, 6, 6)
+
+    def fn(q, k, v, mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fl.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    fast, dispatched = _both_paths(fn, *(t.requires_grad_() for t in (q, k, v, mask)))
+    assert len(fast) == len(dispatched) == 5
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # and torch's op accepts the same mixed dtypes there
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert fast[0].dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(fast[0], expected, rtol=2e-2, atol=2e-2)
+    for a, b in zip(fast, dispatched, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_no_grad_calls_the_body_without_a_graph():

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from fusedlayers.backend import use_triton
-from fusedlayers.ops._eager import call, custom_op, register_autograd
+from fusedlayers.ops._eager import call, custom_op, register_autocast_cast, register_autograd
 
 try:
     from fusedlayers.kernels import scaled_dot_product_attention as kernels
@@ -635,27 +635,27 @@ class AttentionWithSinks(torch.autograd.Function):
 _autocast_lib = torch.library.Library("fusedlayers", "FRAGMENT")
 
 
+def _autocast_cast(device_type: str, dtype: torch.dtype, args: tuple) -> tuple:
+    """query, key, value and a float mask (args[:4]) of ``device_type`` in ``dtype``, fp64 left as it is."""
+    def cast(t):
+        eligible = t is not None and t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
+    return (*(cast(t) for t in args[:4]), *args[4:])
+
+
 def _register_autocast(device_type: str) -> None:
     key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
     key = getattr(torch._C.DispatchKey, key_name)
 
-    def kernel(_keyset, query, key_, value, attn_mask, seed, dropout_p, is_causal, scale,
-               layout=LAYOUT_CONTIGUOUS, window_left=-1, window_right=-1, softcap=0.0):
-        dtype = torch.get_autocast_dtype(device_type)
-
-        def cast(t):
-            eligible = (t is not None and t.is_floating_point() and t.device.type == device_type
-                        and t.dtype != torch.float64)
-            return t.to(dtype) if eligible else t
-
+    def kernel(_keyset, *args):
+        args = _autocast_cast(device_type, torch.get_autocast_dtype(device_type), args)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return scaled_dot_product_attention(
-                cast(query), cast(key_), cast(value), cast(attn_mask), seed, dropout_p, is_causal, scale, layout,
-                window_left, window_right, softcap,
-            )
+            return scaled_dot_product_attention(*args)
 
     _autocast_lib.impl("scaled_dot_product_attention", kernel, key_name, with_keyset=True)
 
 
 for _device_type in ("cpu", "cuda"):
     _register_autocast(_device_type)
+register_autocast_cast(scaled_dot_product_attention, _autocast_cast)  # the eager fast path does the same
