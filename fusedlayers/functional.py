@@ -404,14 +404,15 @@ def _loss_dtype(input: Tensor) -> torch.dtype:
     return input.dtype
 
 
-def _check_logit_transform(logit_scale, softcap) -> tuple[float, float | None]:
-    logit_scale = v.check_number("logit_scale", logit_scale)
+def _check_logit_transform(logit_scale, softcap, scale_name: str = "logit_scale", softcap_name: str = "softcap"
+                           ) -> tuple[float, float | None]:
+    logit_scale = v.check_number(scale_name, logit_scale)
     if not 0.0 < logit_scale < float("inf"):
-        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale}")
+        raise ValueError(f"{scale_name} must be a finite number > 0, got {logit_scale}")
     if softcap is not None:
-        softcap = v.check_number("softcap", softcap)
+        softcap = v.check_number(softcap_name, softcap)
         if not 0.0 < softcap < float("inf"):
-            raise ValueError(f"softcap must be None (no soft-capping) or a finite number > 0, got {softcap}")
+            raise ValueError(f"{softcap_name} must be None (no soft-capping) or a finite number > 0, got {softcap}")
     return logit_scale, softcap
 
 

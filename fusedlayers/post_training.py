@@ -49,6 +49,7 @@ from fusedlayers.ops.linear_cross_entropy import (
     default_chunk_size,
     linear_cross_entropy_scale_grad,
     matmul_dtype,
+    transform_reference,
 )
 from fusedlayers.ops.linear_log_probs import chunked_linear_log_probs
 
@@ -794,23 +795,25 @@ def linear_grpo_loss(
 # ----------------------------------------------------------------------------- distillation
 
 
-def _jsd_rows_reference(student: Tensor, teacher: Tensor, beta: float, temperature: float, acc: torch.dtype
-                        ) -> tuple[Tensor, Tensor]:
+def _jsd_rows_reference(student: Tensor, teacher: Tensor, beta: float, temperature: float, acc: torch.dtype,
+                        student_transform=(1.0, None), teacher_transform=(1.0, None)) -> tuple[Tensor, Tensor]:
     """Per-row generalized JSD and its gradient in the student's logits, written out as TRL's
-    ``generalized_jsd_loss`` (see ``fusedlayers.kernels.post_training``)."""
-    ls = F.log_softmax(student.to(acc) / temperature, -1)
-    lt = F.log_softmax(teacher.to(acc) / temperature, -1)
+    ``generalized_jsd_loss`` (see ``fusedlayers.kernels.post_training``), each head's logits first through its
+    (logit_scale, softcap)."""
+    zs, slope = transform_reference(student.to(acc), *student_transform, temperature)
+    zt, _ = transform_reference(teacher.to(acc), *teacher_transform, temperature)
+    ls, lt = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
     ps = ls.exp()
     if beta == 0:
         pt = lt.exp()
-        return (pt * (lt - ls)).sum(-1), (ps - pt) / temperature
+        return (pt * (lt - ls)).sum(-1), (ps - pt) * slope
     if beta == 1:
         kl = (ps * (ls - lt)).sum(-1)
-        return kl, ps * ((ls - lt) - kl[:, None]) / temperature
+        return kl, ps * ((ls - lt) - kl[:, None]) * slope
     lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
     kl_s = (ps * (ls - lm)).sum(-1)
     kl_t = (lt.exp() * (lt - lm)).sum(-1)
-    return beta * kl_t + (1 - beta) * kl_s, (1 - beta) * ps * ((ls - lm) - kl_s[:, None]) / temperature
+    return beta * kl_t + (1 - beta) * kl_s, (1 - beta) * ps * ((ls - lm) - kl_s[:, None]) * slope
 
 
 class _FusedJSD(torch.autograd.Function):
@@ -819,7 +822,7 @@ class _FusedJSD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, xt, wt, bt, beta, temperature, scale, chunk_size, compute_dtype, needs,
-                accumulation_dtype):
+                accumulation_dtype, student_transform, teacher_transform):
         with torch.autocast(xs.device.type, enabled=False):
             acc = _accumulator(compute_dtype)
             compute_dtype = matmul_dtype(compute_dtype, xs.device)
@@ -841,9 +844,11 @@ class _FusedJSD(torch.autograd.Function):
                 s = chunk_logits_(s_buf[: stop - start], xs_c, ws_c.t(), bs_c)
                 t = chunk_logits_(t_buf[: stop - start], xt[start:stop].to(compute_dtype), wt_c.t(), bt_c)
                 if use_kernels:
-                    kernels.jsd_rows_(s, t, beta, temperature, scale, loss_rows[start:stop])
+                    kernels.jsd_rows_(s, t, beta, temperature, scale, loss_rows[start:stop], student_transform,
+                                      teacher_transform)
                 else:
-                    loss_c, grad_c = _jsd_rows_reference(s, t, beta, temperature, acc)
+                    loss_c, grad_c = _jsd_rows_reference(s, t, beta, temperature, acc, student_transform,
+                                                         teacher_transform)
                     loss_rows[start:stop] = loss_c
                     s.copy_(grad_c * scale)
                 if gx is not None:
@@ -858,14 +863,16 @@ class _FusedJSD(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
-        return (*_scaled_gradients(ctx, grad), *(None,) * 10)
+        return (*_scaled_gradients(ctx, grad), *(None,) * 12)
 
 
 def linear_generalized_jsd_loss(
     student_input: Tensor, student_weight: Tensor, teacher_input: Tensor, teacher_weight: Tensor,
     target: Tensor | None = None, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
     reduction: str = "batchmean", num_items_in_batch: int | Tensor | None = None, student_bias: Tensor | None = None,
-    teacher_bias: Tensor | None = None, chunk_size: int | None = None, accumulation_dtype: torch.dtype | None = None,
+    teacher_bias: Tensor | None = None, logit_scale: float = 1.0, softcap: float | None = None,
+    teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None, chunk_size: int | None = None,
+    accumulation_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Generalized JSD distillation loss (TRL's ``GKDTrainer.generalized_jsd_loss``) between a student head
     ``F.linear(student_input, student_weight, student_bias)`` and a teacher head on its own hidden states (its
@@ -877,7 +884,10 @@ def linear_generalized_jsd_loss(
     None: the tokens whose target is ``ignore_index`` are left out. ``reduction`` as TRL: "batchmean" divides by
     the number of counted tokens (with ``target``) or by the batch size (the leading dim, without), "sum", "mean"
     (by tokens x vocabulary); ``num_items_in_batch`` overrides it with ``sum / num_items_in_batch``. The teacher
-    gets no gradient. Both logit tensors exist only a chunk at a time. Metrics: jsd (the per-token divergences).
+    gets no gradient. Both logit tensors exist only a chunk at a time. ``logit_scale`` / ``softcap`` and
+    ``teacher_logit_scale`` / ``teacher_softcap``: what each model does to its head's logits before they are returned
+    (Cohere's scale, Gemma 2's cap; as for the other losses), applied before the temperature. Metrics: jsd (the
+    per-token divergences).
     """
     for name, t in (("student_input", student_input), ("student_weight", student_weight),
                     ("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
@@ -892,6 +902,9 @@ def linear_generalized_jsd_loss(
         raise ValueError(f"teacher_input must be {(*student_input.shape[:-1], teacher_weight.shape[1])}, got "
                          f"{tuple(teacher_input.shape)}")
     beta = v.check_fraction("beta", beta)
+    student_transform = _check_logit_transform(logit_scale, softcap)
+    teacher_transform = _check_logit_transform(teacher_logit_scale, teacher_softcap, "teacher_logit_scale",
+                                               "teacher_softcap")
     temperature = v.check_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -924,7 +937,8 @@ def linear_generalized_jsd_loss(
                                              JSD_BUFFER_BYTES)
     loss, jsd = _FusedJSD.apply(xs, student_weight, student_bias, xt.detach(), teacher_weight.detach(),
                                 teacher_bias.detach() if teacher_bias is not None else None, beta, temperature,
-                                1.0 / denominator, chunk, compute_dtype, needs, accumulation_dtype)
+                                1.0 / denominator, chunk, compute_dtype, needs, accumulation_dtype,
+                                student_transform, teacher_transform)
     return loss, {"jsd": jsd.detach()}
 
 

@@ -611,10 +611,17 @@ def test_simpo_equals_trls_cpo(hyper, dtype):
 # ----------------------------------------------------------------------------- generalized JSD
 
 
-def _jsd(beta, temperature, labelled=True, reduction="batchmean", num_items=None, all_ignored=False, chunk_size=5):
+def _transformed(logits, transform):
+    """A model's post-processing of its head's logits: * logit_scale, then softcap * tanh(. / softcap)."""
+    logits = logits * transform[0]
+    return logits if transform[1] is None else torch.tanh(logits / transform[1]) * transform[1]
+
+
+def _jsd(beta, temperature, labelled=True, reduction="batchmean", num_items=None, all_ignored=False, chunk_size=5,
+         student_transform=(1.0, None), teacher_transform=(1.0, None)):
     """GKDTrainer.generalized_jsd_loss on full student and teacher logits (teacher hidden size 24, the student's 16)
     vs linear_generalized_jsd_loss; the per-token divergences are TRL's with reduction="none" summed over the
-    vocabulary."""
+    vocabulary. The transforms: what each model does to its head's logits before TRL sees them."""
     GKDTrainer = _trl("trl.experimental.gkd.gkd_trainer", "GKDTrainer")
     shape = (3, 7)
     target = None
@@ -632,16 +639,18 @@ def _jsd(beta, temperature, labelled=True, reduction="batchmean", num_items=None
     kw = dict(beta=beta, temperature=temperature, num_items_in_batch=num_items)
 
     def theirs(hidden, weight, teacher_hidden, teacher_weight, labels):
-        student = F.linear(hidden, weight)
+        student = _transformed(F.linear(hidden, weight), student_transform)
         with torch.no_grad():
-            teacher = F.linear(teacher_hidden, teacher_weight)
+            teacher = _transformed(F.linear(teacher_hidden, teacher_weight), teacher_transform)
             per_token = GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=beta, temperature=temperature,
                                                         reduction="none").sum(-1).reshape(-1)
         return GKDTrainer.generalized_jsd_loss(student, teacher, labels, reduction=reduction, **kw), {"jsd": per_token}
 
     def ours(hidden, weight, teacher_hidden, teacher_weight, labels):
-        return flp.linear_generalized_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, labels,
-                                               reduction=reduction, chunk_size=chunk_size, **kw)
+        return flp.linear_generalized_jsd_loss(
+            hidden, weight, teacher_hidden, teacher_weight, labels, reduction=reduction, chunk_size=chunk_size,
+            logit_scale=student_transform[0], softcap=student_transform[1], teacher_logit_scale=teacher_transform[0],
+            teacher_softcap=teacher_transform[1], **kw)
 
     return ours, theirs, data
 
@@ -652,6 +661,34 @@ def _jsd(beta, temperature, labelled=True, reduction="batchmean", num_items=None
 @pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.0, 1.5), (0.5, 1.0), (1.0, 0.7), (0.3, 2.0)])
 def test_generalized_jsd_equals_trl(beta, temperature, labelled, reduction, dtype):
     _check(_jsd(beta, temperature, labelled, reduction), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("student, teacher", [((0.3, None), (1.0, None)), ((1.0, 0.5), (1.0, 0.5)),
+                                              ((2.0, 1.5), (1.0, None)), ((1.0, None), (0.5, 0.8))],
+                         ids=["student-scale", "both-softcap", "student-both", "teacher-both"])
+def test_generalized_jsd_of_scaled_or_soft_capped_logits_equals_trl(student, teacher, beta, dtype):
+    """Student and teacher models that scale or soft-cap their logits (Gemma 2's ``final_logit_softcapping``,
+    Cohere's ``logit_scale``), each its own: TRL's loss on the transformed logits."""
+    _check(_jsd(beta, 0.8, student_transform=student, teacher_transform=teacher), dtype)
+
+
+@TRITON
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_generalized_jsd_kernel_of_transformed_logits_equals_trl(beta):
+    """The same through the Triton row kernel (the interpreter; fp32, the kernel's dtype here)."""
+    for student, teacher in (((2.0, 1.5), (0.5, 0.8)), ((1.0, 0.5), (1.0, None))):
+        _check(_jsd(beta, 0.8, student_transform=student, teacher_transform=teacher), torch.float32, "triton")
+
+
+def test_generalized_jsd_transform_arguments_are_checked():
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    for kwargs, name in (({"logit_scale": 0.0}, "logit_scale"), ({"softcap": -1.0}, "softcap"),
+                         ({"teacher_logit_scale": float("inf")}, "teacher_logit_scale"),
+                         ({"teacher_softcap": 0.0}, "teacher_softcap")):
+        with pytest.raises(ValueError, match=name):
+            flp.linear_generalized_jsd_loss(x, w, x, w, **kwargs)
 
 
 @pytest.mark.parametrize("labelled", [True, False], ids=["labels", "no_labels"])
@@ -933,6 +970,39 @@ def test_cuda_grpo_and_jsd_parity():
     lt = (F.linear(teacher_x.double(), teacher_w.double()) / 0.9).log_softmax(-1)[keep]
     lm = torch.logaddexp(ls + math.log(0.5), lt + math.log(0.5))
     expected = (0.5 * (lt.exp() * (lt - lm)).sum(-1) + 0.5 * (ls.exp() * (ls - lm)).sum(-1)).sum() / keep.sum()
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student[0].grad.double(), sx.grad, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(student[1].grad.double(), sw.grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_cuda_jsd_of_transformed_logits(beta):
+    """The row kernel compiled for the GPU with each head's scale and soft-cap (fp32 heads, a vocabulary of
+    32003) against the written-out divergence in fp64."""
+    x, w, t = _cuda_problem(dtype=torch.float32)
+    keep = t != -100
+    teacher_x = torch.randn(4, 64, 96, device="cuda")
+    teacher_w = torch.randn(32003, 96, device="cuda") / 10
+    (s_scale, s_cap), (t_scale, t_cap) = (2.0, 1.5), (0.5, 0.8)
+    student = [v.detach().clone().requires_grad_() for v in (x, w)]
+    loss, _ = flp.linear_generalized_jsd_loss(*student, teacher_x, teacher_w, t, beta=beta, temperature=0.9,
+                                              logit_scale=s_scale, softcap=s_cap, teacher_logit_scale=t_scale,
+                                              teacher_softcap=t_cap)
+    loss.backward()
+    sx, sw = (v.detach().double().requires_grad_() for v in (x, w))
+    ls = (_transformed(F.linear(sx, sw), (s_scale, s_cap)) / 0.9).log_softmax(-1)[keep]
+    teacher = _transformed(F.linear(teacher_x.double(), teacher_w.double()), (t_scale, t_cap))
+    lt = (teacher / 0.9).log_softmax(-1)[keep]
+    if beta == 0:
+        per_token = (lt.exp() * (lt - ls)).sum(-1)
+    elif beta == 1:
+        per_token = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+        per_token = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    expected = per_token.sum() / keep.sum()
     expected.backward()
     torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(student[0].grad.double(), sx.grad, rtol=1e-3, atol=1e-6)

@@ -10,8 +10,10 @@ probabilities ps and pt, and the mixture M = (1 - beta) ps + beta pt (log lm)::
                r = ls - lm, R = sum ps r = KL(ps || M)
 
 (the derivative of J in ps_k is (1 - beta) r_k: the mixture's terms cancel), as TRL's ``generalized_jsd_loss``.
-One program per row, three passes: the two logsumexps (online), then J (and R), then dJ/d(student logits) times the
-row's factor over the student's chunk (our own buffer). The teacher is only read.
+Each head's logits x may be transformed first, as the model that owns it does (``_transform_with_slope``: a scale,
+a soft-cap; the student's gradient then times dz/dx). One program per row, three passes: the two logsumexps
+(online), then J (and R), then dJ/d(student logits) times the row's factor over the student's chunk (our own
+buffer). The teacher is only read.
 """
 
 from __future__ import annotations
@@ -23,18 +25,31 @@ import triton
 import triton.language as tl
 
 from fusedlayers.kernels import launch, next_power_of_2
+from fusedlayers.kernels.cross_entropy import _transform_with_slope
 
 BLOCK = 4096
 
 
 @triton.jit
-def _lse(x_ptr, n_cols, inv_t, BLOCK_N: tl.constexpr):
-    """logsumexp of a row / temperature as (max, log sum)."""
+def _load(x_ptr, cols, mask, inv_t, scale, cap, HAS_SCALE: tl.constexpr, HAS_CAP: tl.constexpr):
+    """A block of a row's logits, transformed and / temperature, with the transform's slope dz/dx."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    slope = tl.full(x.shape, 1.0, tl.float32)  # unused (and dropped by the compiler) without a transform
+    if HAS_SCALE or HAS_CAP:
+        x, slope = _transform_with_slope(x, scale, cap, HAS_SCALE, HAS_CAP)
+    return x * inv_t, slope
+
+
+@triton.jit
+def _lse(x_ptr, n_cols, inv_t, scale, cap, HAS_SCALE: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """logsumexp of a row (transformed) / temperature as (max, log sum)."""
     m = -float("inf")
     s = 0.0
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        z = tl.load(x_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32) * inv_t
+        mask = cols < n_cols
+        z, _ = _load(x_ptr, cols, mask, inv_t, scale, cap, HAS_SCALE, HAS_CAP)
+        z = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
@@ -43,21 +58,24 @@ def _lse(x_ptr, n_cols, inv_t, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta, log_beta, log_1m_beta, grad_scale,
-                MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+                s_scale, s_cap, t_scale, t_cap, MODE: tl.constexpr, S_SCALE: tl.constexpr, S_CAP: tl.constexpr,
+                T_SCALE: tl.constexpr, T_CAP: tl.constexpr, BLOCK_N: tl.constexpr):
     """MODE 0: beta = 0, 1: beta = 1, 2: in between. Writes the row's J and g dJ/ds over the student row."""
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
     t_row = t_ptr + row * stride_t
-    ms, log_ss = _lse(s_row, n_cols, inv_t, BLOCK_N)
-    mt, log_st = _lse(t_row, n_cols, inv_t, BLOCK_N)
+    ms, log_ss = _lse(s_row, n_cols, inv_t, s_scale, s_cap, S_SCALE, S_CAP, BLOCK_N)
+    mt, log_st = _lse(t_row, n_cols, inv_t, t_scale, t_cap, T_SCALE, T_CAP, BLOCK_N)
     total = 0.0
     kl_s = 0.0  # R (mode 2) or J (mode 1)
     if MODE != 0:
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            ls = (tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t - ms) - log_ss
-            lt = (tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t - mt) - log_st
+            zs, _ = _load(s_row, cols, mask, inv_t, s_scale, s_cap, S_SCALE, S_CAP)
+            zt, _ = _load(t_row, cols, mask, inv_t, t_scale, t_cap, T_SCALE, T_CAP)
+            ls = (zs - ms) - log_ss
+            lt = (zt - mt) - log_st
             ps = tl.where(mask, tl.exp(ls), 0.0)
             if MODE == 1:
                 kl_s += tl.sum(ps * (ls - lt), axis=0)
@@ -73,8 +91,10 @@ def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta,
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        ls = (tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t - ms) - log_ss
-        lt = (tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t - mt) - log_st
+        zs, slope = _load(s_row, cols, mask, inv_t, s_scale, s_cap, S_SCALE, S_CAP)
+        zt, _ = _load(t_row, cols, mask, inv_t, t_scale, t_cap, T_SCALE, T_CAP)
+        ls = (zs - ms) - log_ss
+        lt = (zt - mt) - log_st
         ps = tl.exp(ls)
         if MODE == 0:
             pt = tl.exp(lt)
@@ -88,6 +108,8 @@ def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta,
             hi = tl.maximum(a, b)
             lm = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
             d = (1.0 - beta) * ps * ((ls - lm) - kl_s)
+        if S_SCALE or S_CAP:
+            d = d * slope
         tl.store(s_row + cols, (d * g).to(s_ptr.dtype.element_ty), mask=mask)
     if MODE == 1:
         total = kl_s
@@ -97,9 +119,9 @@ def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta,
 
 
 def jsd_rows_(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float, grad_scale: float,
-              loss: torch.Tensor) -> None:
+              loss: torch.Tensor, student_transform=(1.0, None), teacher_transform=(1.0, None)) -> None:
     """Per row of the (rows, V) chunks: J into ``loss`` (fp32) and ``grad_scale`` dJ/d(student logits) written over
-    ``student``."""
+    ``student``; each head's logits first through its (logit_scale, softcap)."""
     n_rows, n_cols = student.shape
     if n_rows == 0:
         return
@@ -108,5 +130,8 @@ def jsd_rows_(student: torch.Tensor, teacher: torch.Tensor, beta: float, tempera
     block = min(BLOCK, next_power_of_2(n_cols))
     launch(_jsd_kernel, (n_rows,), student, teacher, loss, n_cols, student.stride(0), teacher.stride(0),
            1.0 / temperature, float(beta), math.log(beta) if mode == 2 else 0.0,
-           math.log1p(-beta) if mode == 2 else 0.0, float(grad_scale), MODE=mode, BLOCK_N=block,
+           math.log1p(-beta) if mode == 2 else 0.0, float(grad_scale), float(student_transform[0]),
+           float(student_transform[1] or 1.0), float(teacher_transform[0]), float(teacher_transform[1] or 1.0),
+           MODE=mode, S_SCALE=student_transform[0] != 1.0, S_CAP=student_transform[1] is not None,
+           T_SCALE=teacher_transform[0] != 1.0, T_CAP=teacher_transform[1] is not None, BLOCK_N=block,
            num_warps=8 if block >= 2048 else 4)
