@@ -45,11 +45,14 @@ CASES = [
     ("mpt", {}),
     ("mpt", {"attn_config": {"clip_qkv": 0.05, "softmax_scale": 0.3}}),
     ("xglm", {}),
+    ("trocr", {}),
+    ("mvp", {}),
 ]
 IDS = [f"{arch}-{'-'.join(over) or 'default'}" for arch, over in CASES]
 # the families whose stock attention stays in the model's dtype (GPT-Neo, BLOOM and MPT compute theirs in float32,
-# XGLM's float64 masks overflow its float32 cast): compared in float64
-FLOAT64 = [(i, case) for i, case in enumerate(CASES) if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon")]
+# XGLM's float64 masks overflow its float32 cast): also compared in float64
+FLOAT64 = [(i, case) for i, case in enumerate(CASES)
+           if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon", "trocr", "mvp")]
 
 
 def _model(arch, overrides, dtype=torch.float64):
@@ -78,11 +81,16 @@ def attention_calls(monkeypatch):
     return calls
 
 
+UNSHIFTED = ("trocr", "mvp")  # decoders whose loss is the cross-entropy of the labels as given
+
+
 def _shifted_loss(model, batch):
-    """The causal-LM loss from the stock model's float64 logits (its own loss rounds them to float32 first)."""
+    """The model's loss from the stock model's float64 logits (its own loss rounds them to float32 first)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False).logits
-    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    labels = batch["labels"]
+    if model.config.model_type not in UNSHIFTED:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
@@ -230,3 +238,26 @@ def test_forward_with_a_cache_is_fused_too(arch, attention_calls):
     cache = getattr(out, "cache", getattr(out, "past_key_values", None))  # the field's name before transformers 5.2x
     assert cache is not None and len(attention_calls) == 2 * _layers(fused)
     torch.testing.assert_close(out.loss, without, rtol=0, atol=0)
+
+
+def test_mvp_prompts_in_the_encoder_decoder_model(attention_calls):
+    """MVP's seq2seq model with prompts (keys and values of its own before the sequence's, in the encoder's,
+    decoder's and cross attention): the swapped attention gives stock's logits in float64."""
+    from transformers import MvpConfig, MvpForConditionalGeneration
+
+    config = MvpConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, use_prompt=True,
+                       prompt_length=3, prompt_mid_dim=16, max_position_embeddings=32)
+    torch.manual_seed(0)
+    stock = MvpForConditionalGeneration(config).double().eval()
+    fused = MvpForConditionalGeneration(config).double().eval()
+    fused.load_state_dict(stock.state_dict())
+    flt.apply(fused, loss=False)
+    ids = torch.randint(4, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :7], use_cache=False)
+    expected = stock(**kwargs).logits
+    got = fused(**kwargs).logits
+    assert len(attention_calls) == 3  # encoder self, decoder self, decoder cross
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -215,10 +215,16 @@ def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=
     return self.out_proj(out.reshape(B, L, -1)), None
 
 
-def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
-    """XGLM (the BART-era attention): scaled query, the model's mask added; self- and cross-attention."""
-    if _weights_wanted.get():
+def _bart_era_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None,
+                      output_attentions=False, **kwargs):
+    """The BART-era attention of XGLM, TrOCR and MVP: scaled query, the model's mask added; self- and
+    cross-attention; MVP's prompt keys and values (``attn_prompt``) before the others, kept by the mask."""
+    if output_attentions or _weights_wanted.get():
         given = {"cache": cache} if cache is not None else {}
+        if attn_prompt is not None:
+            given["attn_prompt"] = attn_prompt
+        if output_attentions:
+            given["output_attentions"] = output_attentions
         return _stock(self, "forward", hidden_states, key_value_states, attention_mask=attention_mask, **given,
                       **kwargs)
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
@@ -239,12 +245,18 @@ def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attent
             key, value = _cache_update(self, current, key, value, kwargs)
             if is_cross and two_caches:
                 cache.is_updated[self.layer_idx] = True
+    if attn_prompt is not None:
+        key = torch.cat([attn_prompt[0].expand(B, -1, -1, -1), key], dim=2)
+        value = torch.cat([attn_prompt[1].expand(B, -1, -1, -1), value], dim=2)
+        if attention_mask is not None:
+            prompt_mask = torch.zeros(B, 1, L, attn_prompt[0].size(1)).to(attention_mask.device)
+            attention_mask = torch.cat([prompt_mask, attention_mask], dim=-1)
     if attention_mask is not None and attention_mask.shape != (B, 1, L, key.shape[2]):
         raise ValueError(f"Attention mask should be of size {(B, 1, L, key.shape[2])}, but is "
                          f"{tuple(attention_mask.shape)}")
     out, _ = _flt.attention_forward(self, query, key, value, attention_mask, dropout=_dropout(self, self.dropout),
                                     scaling=1.0, is_causal=False)
-    return self.out_proj(out.reshape(B, L, self.embed_dim)), None
+    return self.out_proj(out.reshape(B, L, -1)), None
 
 
 #: (modeling module, class, attribute replaced) -> our function
@@ -256,7 +268,9 @@ FAMILIES = {
     ("transformers.models.bloom.modeling_bloom", "BloomAttention", "forward"): _bloom_forward,
     ("transformers.models.falcon.modeling_falcon", "FalconAttention", "forward"): _falcon_forward,
     ("transformers.models.mpt.modeling_mpt", "MptAttention", "forward"): _mpt_forward,
-    ("transformers.models.xglm.modeling_xglm", "XGLMAttention", "forward"): _xglm_forward,
+    ("transformers.models.xglm.modeling_xglm", "XGLMAttention", "forward"): _bart_era_forward,
+    ("transformers.models.trocr.modeling_trocr", "TrOCRAttention", "forward"): _bart_era_forward,
+    ("transformers.models.mvp.modeling_mvp", "MvpAttention", "forward"): _bart_era_forward,
 }
 
 
