@@ -7,7 +7,9 @@ does what the stock code does up to the scores, then hands query, key, value and
 :func:`fusedlayers.integrations.transformers.attention_forward` (whose mask reading, fallbacks and op are the same as
 for every other model). What each family adds to the scores becomes part of the mask: ALiBi (BLOOM, MPT; Falcon's
 model already folds it in), GPT-Neo's local band (its ``sliding_window``: a mask that is exactly causal within a
-window runs without it). Masks derived once per model forward are reused by every layer (:func:`_derived`).
+window runs without it). Masks derived once per model forward are reused by every layer (:func:`_derived`). The
+families' code is mirrored from transformers 5.24 and checked equal in 5.17 but for the cache's name (``cache`` /
+``past_key_values``), which the MPT and BART-era forwards take either way.
 
 A model forward that asks for the attention weights (``output_attentions``) runs the stock code throughout: the
 fused op has no weights to return.
