@@ -47,12 +47,14 @@ CASES = [
     ("xglm", {}),
     ("trocr", {}),
     ("mvp", {}),
+    ("rembert", {}),
+    ("megatron-bert", {}),
 ]
 IDS = [f"{arch}-{'-'.join(over) or 'default'}" for arch, over in CASES]
 # the families whose stock attention stays in the model's dtype (GPT-Neo, BLOOM and MPT compute theirs in float32,
 # XGLM's float64 masks overflow its float32 cast): also compared in float64
 FLOAT64 = [(i, case) for i, case in enumerate(CASES)
-           if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon", "trocr", "mvp")]
+           if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon", "trocr", "mvp", "rembert", "megatron-bert")]
 
 
 def _model(arch, overrides, dtype=torch.float64):
@@ -261,3 +263,23 @@ def test_mvp_prompts_in_the_encoder_decoder_model(attention_calls):
     got = fused(**kwargs).logits
     assert len(attention_calls) == 3  # encoder self, decoder self, decoder cross
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["rembert", "trocr"])
+def test_decoder_cross_attention_equals_stock(arch, attention_calls):
+    """Decoders given an encoder's states (cross-attention layers, with the encoder's padding mask): the logits of
+    stock in float64, self- and cross-attention both on our op (the BERT- and BART-era code; Megatron-BERT's stock
+    cross-attention cannot take an encoder of another length, XGLM's overflows in float64)."""
+    overrides = {"add_cross_attention": True, "is_decoder": True} if arch == "rembert" else {}
+    stock, fused = _pair(arch, overrides, loss=False)
+    batch = make_batch(stock, "left")
+    hidden = stock.config.hidden_size if hasattr(stock.config, "hidden_size") else stock.config.d_model
+    encoder_states = torch.randn(batch["input_ids"].shape[0], 5, hidden, dtype=torch.float64)
+    encoder_mask = torch.ones(encoder_states.shape[:2], dtype=torch.long)
+    encoder_mask[1, :2] = 0
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                  encoder_hidden_states=encoder_states, encoder_attention_mask=encoder_mask)
+    expected = stock(**kwargs).logits
+    got = fused(**kwargs).logits
+    assert len(attention_calls) == 2 * _layers(fused)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)

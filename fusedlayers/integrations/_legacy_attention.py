@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import math
 import sys
 import weakref
 
@@ -217,6 +218,26 @@ def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=
     return self.out_proj(out.reshape(B, L, -1)), None
 
 
+def _keys_values(self, key_proj, value_proj, head_dim, hidden_states, cross_states, cache, kwargs):
+    """Keys and values (B, H, S, D) of self-attention (``cross_states`` None) or cross-attention, through the cache
+    as the BART- and BERT-era stock code goes through it: an EncoderDecoderCache's cross part filled once."""
+    is_cross = cross_states is not None
+    current, two_caches = cache, cache is not None and hasattr(cache, "is_updated")  # an EncoderDecoderCache
+    if two_caches:
+        current = cache.cross_attention_cache if is_cross else cache.self_attention_cache
+    if is_cross and two_caches and cache.is_updated.get(self.layer_idx):
+        return current.layers[self.layer_idx].keys, current.layers[self.layer_idx].values
+    states = cross_states if is_cross else hidden_states
+    B, S = states.shape[:2]
+    key = key_proj(states).view(B, S, -1, head_dim).transpose(1, 2)
+    value = value_proj(states).view(B, S, -1, head_dim).transpose(1, 2)
+    if cache is not None:
+        key, value = _cache_update(self, current, key, value, kwargs)
+        if is_cross and two_caches:
+            cache.is_updated[self.layer_idx] = True
+    return key, value
+
+
 def _bart_era_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None,
                       output_attentions=False, **kwargs):
     """The BART-era attention of XGLM, TrOCR and MVP: scaled query, the model's mask added; self- and
@@ -230,23 +251,10 @@ def _bart_era_forward(self, hidden_states, key_value_states=None, cache=None, at
         return _stock(self, "forward", hidden_states, key_value_states, attention_mask=attention_mask, **given,
                       **kwargs)
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-    is_cross = key_value_states is not None
     B, L, _ = hidden_states.shape
     query = (self.q_proj(hidden_states) * self.scaling).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-    current, two_caches = cache, cache is not None and hasattr(cache, "is_updated")  # an EncoderDecoderCache
-    if two_caches:
-        current = cache.cross_attention_cache if is_cross else cache.self_attention_cache
-    if is_cross and two_caches and cache.is_updated.get(self.layer_idx):
-        key, value = current.layers[self.layer_idx].keys, current.layers[self.layer_idx].values
-    else:
-        states = key_value_states if is_cross else hidden_states
-        S = states.shape[1]
-        key = self.k_proj(states).view(B, S, -1, self.head_dim).transpose(1, 2)
-        value = self.v_proj(states).view(B, S, -1, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            key, value = _cache_update(self, current, key, value, kwargs)
-            if is_cross and two_caches:
-                cache.is_updated[self.layer_idx] = True
+    key, value = _keys_values(self, self.k_proj, self.v_proj, self.head_dim, hidden_states, key_value_states, cache,
+                              kwargs)
     if attn_prompt is not None:
         key = torch.cat([attn_prompt[0].expand(B, -1, -1, -1), key], dim=2)
         value = torch.cat([attn_prompt[1].expand(B, -1, -1, -1), value], dim=2)
@@ -261,6 +269,24 @@ def _bart_era_forward(self, hidden_states, key_value_states=None, cache=None, at
     return self.out_proj(out.reshape(B, L, -1)), None
 
 
+def _bert_era_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None,
+                      output_attentions=False, **kwargs):
+    """The BERT-era self-attention of RemBERT and Megatron-BERT (as decoders): scores / sqrt(head size), the model's
+    mask added; self- and cross-attention. Returns the heads merged, before the output projection (as stock)."""
+    if output_attentions or _weights_wanted.get():
+        given = {"cache": cache} if cache is not None else {}
+        return _stock(self, "forward", hidden_states, attention_mask, encoder_hidden_states,
+                      output_attentions=output_attentions, **given, **kwargs)
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    B, L, _ = hidden_states.shape
+    d = self.attention_head_size
+    query = self.query(hidden_states).view(B, L, -1, d).transpose(1, 2)
+    key, value = _keys_values(self, self.key, self.value, d, hidden_states, encoder_hidden_states, cache, kwargs)
+    out, _ = _flt.attention_forward(self, query, key, value, attention_mask, dropout=_dropout(self, self.dropout.p),
+                                    scaling=1.0 / math.sqrt(d), is_causal=False)
+    return out.reshape(B, L, self.all_head_size), None
+
+
 #: (modeling module, class, attribute replaced) -> our function
 FAMILIES = {
     ("transformers.models.openai.modeling_openai", "Attention", "_attn"): _openai_attn,
@@ -273,6 +299,9 @@ FAMILIES = {
     ("transformers.models.xglm.modeling_xglm", "XGLMAttention", "forward"): _bart_era_forward,
     ("transformers.models.trocr.modeling_trocr", "TrOCRAttention", "forward"): _bart_era_forward,
     ("transformers.models.mvp.modeling_mvp", "MvpAttention", "forward"): _bart_era_forward,
+    ("transformers.models.rembert.modeling_rembert", "RemBertSelfAttention", "forward"): _bert_era_forward,
+    ("transformers.models.megatron_bert.modeling_megatron_bert", "MegatronBertSelfAttention", "forward"):
+        _bert_era_forward,
 }
 
 
