@@ -283,3 +283,27 @@ def test_decoder_cross_attention_equals_stock(arch, attention_calls):
     got = fused(**kwargs).logits
     assert len(attention_calls) == 2 * _layers(fused)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_derived_masks_are_not_kept_past_the_forward(attention_calls, monkeypatch):
+    """BLOOM's ALiBi mask (B x H x L x S) is built once a forward for every layer, and not kept past the forward: the
+    cache's entry goes with the model's own mask, the mask itself with the graph."""
+    from fusedlayers.integrations import _legacy_attention
+
+    built, stock_with_bias = [], flt._with_bias
+
+    def with_bias(mask, bias):
+        built.append(stock_with_bias(mask, bias))
+        return built[-1]
+
+    monkeypatch.setattr(flt, "_with_bias", with_bias)
+    _, fused = _pair("bloom", {}, torch.float32)
+    batch = make_batch(fused, "left")
+    out = fused(**batch)
+    assert len(built) == 1 and len(attention_calls) == 2  # one mask for both layers
+    assert not _legacy_attention._recent[0]  # the model's mask is gone: so is the entry
+    mask = weakref.ref(built.pop())
+    assert mask() is not None  # held by the graph for the backward
+    out.loss.backward()
+    del out
+    assert mask() is None

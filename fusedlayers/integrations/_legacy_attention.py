@@ -46,9 +46,14 @@ def _module_global(self, name: str):
 
 
 # The masks derived from the ones a model forward builds (one per forward, shared by its layers): a hit needs the same
-# source tensors (weak references), unmodified since (their _version), and the same extra key.
+# source tensors (weak references), unmodified since (their _version), and the same extra key. An entry goes when a
+# source is freed (the forward and its graph done): a derived mask (ALiBi's is B x H x L x S) is not kept past it.
 _recent: list = [[]]
 RECENT = 4
+
+
+def _forget(entry) -> None:
+    _recent[0] = [e for e in _recent[0] if e is not entry]
 
 
 def _derived(sources: tuple, key, build):
@@ -65,7 +70,11 @@ def _derived(sources: tuple, key, build):
                 for a, b in zip(refs, state, strict=True)):
             return mask
     mask = build()
-    _recent[0] = [(state, key, mask), *recent[:RECENT - 1]]
+    entry = (state, key, mask)
+    _recent[0] = [entry, *recent[:RECENT - 1]]
+    for source in sources:
+        if source is not None:
+            weakref.finalize(source, _forget, entry)
     return mask
 
 
@@ -325,7 +334,8 @@ def _enter(model, args, kwargs):
     wanted = kwargs.get("output_attentions")
     if wanted is None:
         wanted = getattr(model.config, "output_attentions", False)
-    model.__dict__.setdefault("_fusedlayers_weights_tokens", []).append(_weights_wanted.set(bool(wanted)))
+    wanted = bool(wanted) or _weights_wanted.get()  # an enclosing forward's wish holds for the models it calls
+    model.__dict__.setdefault("_fusedlayers_weights_tokens", []).append(_weights_wanted.set(wanted))
 
 
 def _leave(model, args, kwargs, output):
