@@ -18,6 +18,7 @@ fused op has no weights to return.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import math
 import sys
@@ -186,10 +187,16 @@ def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=Non
     return self.dense(out.reshape(B, L, self.num_heads * self.head_dim)), None
 
 
+@functools.cache
+def _passes_cache_kwargs(cls) -> bool:
+    """transformers 5.2x's forwards take ``cache`` and pass their keyword arguments on to its update; earlier ones take
+    ``past_key_values`` and do not."""
+    return "cache" in inspect.signature(inspect.unwrap(cls.forward)).parameters
+
+
 def _cache_update(self, cache, key, value, kwargs):
-    """``cache.update`` as the family's stock code calls it: transformers 5.2x's forwards take ``cache`` and pass their
-    keyword arguments on, earlier ones take ``past_key_values`` and do not."""
-    if "cache" in inspect.signature(inspect.unwrap(type(self).forward)).parameters:
+    """``cache.update`` as the family's stock code calls it."""
+    if _passes_cache_kwargs(type(self)):
         return cache.update(key, value, self.layer_idx, kwargs=kwargs)
     return cache.update(key, value, self.layer_idx)
 

@@ -124,6 +124,7 @@ except ImportError as _error:
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
 from fusedlayers.integrations import _legacy_attention  # noqa: E402  (it uses this module at call time only)
+from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 
 __all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied",
            "AutoFusedModelForCausalLM"]
@@ -357,8 +358,7 @@ def _autocast_inputs(*tensors):
     device = tensors[0].device.type
     if not torch.is_autocast_enabled(device):
         return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+    return _attention_ops._autocast_cast(device, torch.get_autocast_dtype(device), tensors)
 
 
 def attention_forward(

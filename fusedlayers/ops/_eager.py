@@ -92,7 +92,7 @@ def call(op, *args):
         devices = _autocast_devices(op) if cast is not None and op in _autocast_rules else []
         if not devices:  # a rule that is more than a cast, or autocast on another device
             return op(*args)
-        keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _AUTOCAST_KEYS[devices[0]]))
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
         for device in devices:
             args = cast(device, torch.get_autocast_dtype(device), args)
             keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _AUTOCAST_KEYS[device]))
