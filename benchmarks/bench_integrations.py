@@ -6,7 +6,8 @@
 2. Hugging Face transformers (``fusedlayers.integrations.transformers.apply``): a Llama-style ``LlamaForCausalLM``
    built from a config (no download; ~0.9B parameters, GQA, vocabulary 128256), bf16, one training step
    (forward + backward with labels) with ``attn_implementation="sdpa"`` and the stock loss, against the same
-   model after ``apply`` (our attention and the linear+cross-entropy loss; then also RMSNorm, SwiGLU and rotary):
+   model after ``apply`` (our attention and the linear+cross-entropy loss; then also RMSNorm, SwiGLU, rotary and
+   ``cast_once``):
    tokens/s and peak memory (targets: 1.2x the tokens/s, at most 0.6x the peak). ``--thunder``: the same model under
    ``thunder.jit`` with Thunder's default executors and with ``fl_executor`` first (target: faster with ours), with
    two stand-ins that let Thunder 0.2.6 trace transformers 5 (see ``_let_thunder_trace_transformers``), and our GPT
@@ -193,12 +194,13 @@ def hf_rows(batch: int, seq: int, layers: int, thunder: bool, window: int | None
     n_params = sum(p.numel() for p in stock.parameters()) / 1e9
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     positions = packed_positions(batch, seq) if packed else None
-    parts = dict.fromkeys(("attention", "loss", "norm", "mlp", "rotary"), False)
+    parts = dict.fromkeys(flt._PARTS, False)
     variants = {  # name -> a function of a copy of the stock model; each part added to the one above
         "fl apply (attention + linear CE)": lambda m: flt.apply(m, **{**parts, "attention": True, "loss": True}),
         "fl apply (+ RMSNorm)": lambda m: flt.apply(m, **{**parts, "attention": True, "loss": True, "norm": True}),
-        "fl apply (+ SwiGLU)": lambda m: flt.apply(m, rotary=False),
-        "fl apply (all: + rotary)": flt.apply,
+        "fl apply (+ SwiGLU)": lambda m: flt.apply(m, rotary=False, cast_once=False),
+        "fl apply (+ rotary)": lambda m: flt.apply(m, cast_once=False),
+        "fl apply (all: + cast_once)": flt.apply,
     }
     if thunder:
         variants["thunder.jit (default executors)"] = lambda m: _thunder_jit(m, False)

@@ -23,7 +23,8 @@ The choices, each a registry entry (unknown names fail with the valid ones):
   are never materialised; fp32 loss for 16-bit models, fp64 for fp64 ones).
 - ``model.layers`` (:data:`HF_LAYERS`): ``stock`` transformers' layers, ``custom`` ``fl.rms_norm`` /
   ``fl.layer_norm``, ``fl.swiglu`` and ``fl.rotary_embedding`` in place of the architecture's RMSNorm / LayerNorm,
-  SiLU-gated MLP and rotary embedding, through ``apply(norm=True, mlp=True, rotary=True)``.
+  SiLU-gated MLP and rotary embedding, and under autocast one 16-bit copy of an input that several linear layers read,
+  through ``apply(norm=True, mlp=True, rotary=True, cast_once=True)``.
 - ``model.checkpoint`` (:data:`HF_CHECKPOINT`): ``none``, or ``full`` (transformers' gradient checkpointing of
   every decoder layer, non-reentrant).
 
@@ -119,8 +120,9 @@ HF_LOSS.register("custom")(_fl_cross_entropy)
 HF_LOSS.register("fused_linear")(_hf_loss)
 _FUSED_LOSS = {"fused_linear"}
 
-# HF_LAYERS[name]: whether apply(norm=, mlp=, rotary=) swaps in fl.rms_norm / fl.layer_norm, fl.swiglu and
-# fl.rotary_embedding where the architecture has those layers (transformers' own code otherwise)
+# HF_LAYERS[name]: whether apply(norm=, mlp=, rotary=, cast_once=) swaps in fl.rms_norm / fl.layer_norm, fl.swiglu
+# and fl.rotary_embedding where the architecture has those layers (transformers' own code otherwise), and casts a
+# shared input once under autocast
 HF_LAYERS.register("stock")(False)
 HF_LAYERS.register("custom")(True)
 
@@ -232,7 +234,8 @@ class HFCausalLM(nn.Module):
         if attention or loss or layers:
             from fusedlayers.integrations import transformers as flt
 
-            flt.apply(self.hf, attention=attention, loss=loss, norm=layers, mlp=layers, rotary=layers)
+            flt.apply(self.hf, attention=attention, loss=loss, norm=layers, mlp=layers, rotary=layers,
+                      cast_once=layers)
             applied = flt.is_applied(self.hf)
             if applied["attention"] != attention or applied["loss"] != loss:
                 raise ValueError(

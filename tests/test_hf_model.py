@@ -226,7 +226,7 @@ def test_choice_matches_stock(arch, choice, calls) -> None:
     assert flt.is_applied(other.hf) == {
         "attention": choice.get("attention") == "custom",
         "loss": choice.get("loss") == "fused_linear",
-        "norm": layers, "mlp": layers, "rotary": layers,
+        "norm": layers, "mlp": layers, "rotary": layers, "cast_once": layers,
     }
 
 

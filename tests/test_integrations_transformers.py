@@ -685,7 +685,7 @@ def test_apply_is_idempotent_and_revert_restores_stock(counters):
     assert out.logits is not None and counters == {**dict.fromkeys(counters, 0), "attention": []}
     torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=0, atol=0)
     # each part on its own: the loss, then the layers, then attention
-    flt.apply(model, attention=False, norm=False, mlp=False, rotary=False)
+    flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "loss": True})
     assert flt.is_applied(model) == {**dict.fromkeys(flt._PARTS, False), "loss": True}
     model(**batch)
     assert counters["attention"] == [] and counters["loss"] == 1 and counters["rms_norm"] == 0
@@ -696,7 +696,7 @@ def test_apply_is_idempotent_and_revert_restores_stock(counters):
         model(**batch)
         assert counters[name] == calls, part
     flt.apply(model, loss=False)
-    flt.revert(model, attention=False, norm=False, mlp=False, rotary=False)
+    flt.revert(model, **{**dict.fromkeys(flt._PARTS, False), "loss": True})
     assert flt.is_applied(model) == {**dict.fromkeys(flt._PARTS, True), "loss": False}
     assert model(**batch).logits is not None and len(counters["attention"]) == layers and counters["loss"] == 4
 
@@ -812,6 +812,139 @@ def test_cuda_matches_stock(arch, dtype, counters):
     assert_parity(out.loss.detach(), stock_loss.detach(), ref_loss.detach().float(), "loss", floor=FLOOR[dtype])
     for name, grad in _grads(model).items():
         assert_parity(grad, _grads(stock)[name], _grads(reference)[name], name)
+
+
+# ----------------------------------------------------------------------------- cast_once: one autocast copy a module
+
+
+def _autocast_step(model, batch, device="cpu"):
+    """Loss, every gradient, the bytes autograd saved for backward (each storage once) and the inputs the linear
+    layers were given, of one step under bf16 autocast."""
+    storages, inputs = {}, {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0]))
+             for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    with torch.autocast(device, torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, sum(storages.values()), inputs
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ["llama", "phi"])
+def test_cast_once_is_bitwise_stock_with_one_copy(arch):
+    """Under autocast over fp32 weights the q/k/v projections (and an MLP's gate and up) read one bf16 copy of their
+    fp32 input instead of casting it each: the loss and every gradient bitwise the stock ones (their gradients summed
+    in fp32 in autograd's order), fewer bytes saved for backward, nothing changed outside autocast."""
+    model, _ = _tiny(arch)
+    stock = copy.deepcopy(model)
+    flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
+    batch = _batch("left")
+    loss, grads, saved, inputs = _autocast_step(model, batch)
+    stock_loss, stock_grads, stock_saved, stock_inputs = _autocast_step(stock, batch)
+    assert torch.equal(loss, stock_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, stock_grads[name]), name
+    layer = "model.layers.0"
+    groups = [[f"{layer}.self_attn.{n}_proj" for n in "qkv"]]
+    if arch == "llama":
+        groups.append([f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"])
+    for names in groups:  # one bf16 tensor behind the group's inputs; stock: an fp32 one each casts itself
+        assert {inputs[n].dtype for n in names} == {torch.bfloat16}
+        assert len({inputs[n].untyped_storage().data_ptr() for n in names}) == 1, names
+        assert {stock_inputs[n].dtype for n in names} == {torch.float32}
+    copies = sum(len(names) - 1 for names in groups) * model.config.num_hidden_layers
+    assert stock_saved - saved == copies * B * T * model.config.hidden_size * 2  # the bf16 copies not kept
+    # without autocast: the stock computation, in fp32
+    model.zero_grad()
+    stock.zero_grad()
+    model(**batch).loss.backward()
+    stock(**batch).loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, _grads(stock)[name]), name
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two linear layers on one input, the second with autocast off around it, and a third on another tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            off = self.b(x)
+        return self.a(x), off, self.c(x.clone())
+
+
+def test_cast_once_only_where_autocast_would_cast():
+    """A child called with autocast off gets the fp32 input (no dtype mismatch), one given another tensor its own,
+    an input that is already 16-bit or float64 is left alone; the hooks come off with ``revert``'s helper."""
+    module, state = _TwoHeads(), {}
+    stock = copy.deepcopy(module)
+    flt._apply_cast_once(module, state)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        outs, stock_outs = module(x), stock(x)
+    assert [o.dtype for o in outs] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    for o, r in zip(outs, stock_outs, strict=True):
+        assert torch.equal(o, r)
+    sum(o.float().sum() for o in outs).backward()
+    grad = x.grad.clone()
+    x.grad = None
+    sum(o.float().sum() for o in stock_outs).backward()
+    assert torch.equal(grad, x.grad)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert flt._autocast_target(x) == torch.bfloat16
+        assert flt._autocast_target(x.detach().bfloat16()) is flt._autocast_target(x.detach().double()) is None
+    assert flt._autocast_target(x) is None
+    assert not getattr(flt._shared_casts, "stack", [])  # every module call popped what it pushed
+    flt._revert_cast_once(state)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16, torch.bfloat16, torch.float16),
+                                    (torch.bfloat16, torch.float32, torch.bfloat16, torch.float16),
+                                    (torch.float16,) * 5])
+def test_shared_cast_gradient_sum_kernel(dtypes):
+    """The fp32 sum of the gradients (the Triton kernel; interpreted on CPU): bitwise autograd's ((g0 + g1) + g2)...
+    in fp32, at a size that is not a multiple of the block."""
+    from fusedlayers import use_backend
+    from fusedlayers.kernels.shared_cast import sum_fp32
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    grads = [torch.randn(3, 1001, device=device).to(d) for d in dtypes]
+    expected = grads[0].float()
+    for g in grads[1:]:
+        expected = expected + g.float()
+    with use_backend("triton"):
+        out = sum_fp32(grads)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert sum_fp32([g[:0] for g in grads]).shape == (0, 1001)
+
+
+@needs_transformers
+@pytest.mark.cuda
+def test_cuda_cast_once_is_bitwise_stock():
+    """On the GPU (the gradient sum's kernel compiled): a tiny Llama with eager attention (deterministic), autocast
+    over fp32 weights: loss and every gradient bitwise stock's."""
+    model, _ = _tiny("llama", attn="eager")
+    model = model.cuda()
+    stock = copy.deepcopy(model)
+    flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
+    batch = _batch("left", device="cuda")
+    loss, grads, saved, _ = _autocast_step(model, batch, "cuda")
+    stock_loss, stock_grads, stock_saved, _ = _autocast_step(stock, batch, "cuda")
+    assert torch.equal(loss, stock_loss) and saved < stock_saved
+    for name, grad in grads.items():
+        assert torch.equal(grad, stock_grads[name]), name
 
 
 # ----------------------------------------------------------------------------- sharded training (FSDP2, CPU, gloo)

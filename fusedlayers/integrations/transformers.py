@@ -5,8 +5,9 @@
     loss = model(input_ids, attention_mask=mask, labels=labels).loss   # fused attention and fused loss
     flt.revert(model)                 # stock behaviour again
 
-``apply(model, attention=True, loss=True)`` does two independent things (each idempotent, each undone by
-``revert``):
+``apply(model, attention=True, loss=True, norm=True, mlp=True, rotary=True, cast_once=True)`` does independent
+things (each idempotent, each undone by ``revert``): ``norm``, ``mlp`` and ``rotary`` swap in fused layers where a
+module's code is Llama's (``_norm_forward``, ``_mlp_forward``, ``_apply_rotary``); the others:
 
 **attention** -- registers :func:`attention_forward` (``fl.scaled_dot_product_attention``) with transformers'
 ``AttentionInterface`` under the name ``"fusedlayers"``, together with transformers' SDPA mask builder
@@ -73,6 +74,12 @@ scale and soft-cap (e.g. a learned scale), or calls the output embedding other t
 recomputed by the stock forward (it raises instead if a cache object was passed, since the first pass already
 updated it).
 
+**cast_once** -- under autocast over fp32 weights, a module's fp32 input that several of its ``nn.Linear`` children
+read (q/k/v projections, an MLP's gate and up) is cast to the autocast dtype once instead of by each child, and one
+16-bit copy is kept for their backward instead of one each; their gradients are summed in fp32 as autograd sums
+them, so values and gradients are bitwise stock's (hooks on the module and its linear children; see
+``_SharedCast``).
+
 Works for decoder ``*ForCausalLM`` models whose output embedding ``model.get_output_embeddings()`` is an
 ``nn.Linear`` and whose forward takes ``labels`` (tested: Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-2, Phi, Cohere,
 Llava). Needs ``transformers>=4.54`` (``set_attn_implementation``, ``AttentionMaskInterface``); written against
@@ -94,6 +101,7 @@ import math
 import re
 import sys
 import textwrap
+import threading
 import types
 import warnings
 import weakref
@@ -123,7 +131,13 @@ except ImportError as _error:
     ) from _error
 
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
+from fusedlayers.backend import use_triton as _use_triton
 from fusedlayers.integrations import _legacy_attention  # noqa: E402  (it uses this module at call time only)
+
+try:
+    from fusedlayers.kernels import shared_cast as _shared_cast_kernels
+except ImportError:  # no Triton: PyTorch sums the gradients
+    _shared_cast_kernels = None
 from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 
 __all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied",
@@ -1004,6 +1018,89 @@ def _revert_module_forwards(state: dict, what: str) -> None:
         module.__dict__.pop("forward", None)
 
 
+# Under autocast, an fp32 hidden state that several linear layers of one module read (q/k/v projections, an MLP's
+# gate and up) is cast to the autocast dtype by each of them, and each keeps its own 16-bit copy for its backward.
+# ``cast_once``: the module's forward pre-hook casts it once (``_SharedCast``: one output per linear child, views of
+# one tensor), each linear child takes one of them in its own pre-hook, and the backward sums their gradients in fp32
+# in the order autograd would, so values and gradients are bitwise the stock ones. Only exact ``nn.Linear`` children
+# take the cast input (they would have cast it themselves), only the very tensor the module was given, and only while
+# autocast casts to the same dtype. The hooks are module-level functions: no reference to the model.
+_shared_casts = threading.local()  # .stack: (module input, its casts not yet taken) per hooked module running
+
+
+class _SharedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dtype, n):
+        ctx.set_materialize_grads(False)  # casts no child took get no zero gradient
+        y = x.to(dtype)
+        return (y, *(y.view_as(y) for _ in range(n - 1)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        given = [g for g in grads if g is not None]
+        if len(given) < 2:
+            return (given[0].float() if given else None), None, None
+        if (_shared_cast_kernels is not None and _use_triton(given[0])
+                and all(g.is_contiguous() and g.shape == given[0].shape for g in given)):
+            return _shared_cast_kernels.sum_fp32(given), None, None
+        total = given[0].float()
+        for g in given[1:]:
+            total = total + g
+        return total, None, None
+
+
+def _autocast_target(x) -> torch.dtype | None:
+    """The dtype autocast casts ``x`` to in a linear layer, if it casts it."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype != torch.float32 else None
+
+
+def _cast_once_enter(module, args, kwargs, children):
+    x = args[0] if args else kwargs.get("hidden_states")
+    dtype = _autocast_target(x)
+    casts = list(_SharedCast.apply(x, dtype, children)) if dtype is not None else []
+    _shared_casts.__dict__.setdefault("stack", []).append((x, casts))
+
+
+def _cast_once_leave(module, args, output):
+    _shared_casts.stack.pop()
+
+
+def _cast_once_take(module, args):
+    stack = getattr(_shared_casts, "stack", None)
+    if not stack or not args:
+        return None
+    x, casts = stack[-1]
+    if casts and args[0] is x and _autocast_target(x) == casts[-1].dtype:
+        return (casts.pop(), *args[1:])
+    return None
+
+
+def _apply_cast_once(model: PreTrainedModel, state: dict) -> None:
+    if "cast_once" in state:
+        return
+    hooks = []
+    for module in model.modules():
+        linears = [child for child in module.children() if type(child) is nn.Linear]
+        if len(linears) < 2:
+            continue
+        hooks.append(module.register_forward_pre_hook(
+            functools.partial(_cast_once_enter, children=len(linears)), with_kwargs=True))
+        hooks.append(module.register_forward_hook(_cast_once_leave, always_call=True))
+        hooks += [child.register_forward_pre_hook(_cast_once_take) for child in linears]
+    state["cast_once"] = hooks
+
+
+def _revert_cast_once(state: dict) -> None:
+    for hook in state.pop("cast_once", ()):
+        hook.remove()
+
+
 # The rotary function is a global of the modeling module that the attention classes call; ours replaces it in that
 # module (while an applied model of that architecture is not reverted) and computes only inside the forward of an
 # applied model's attention modules (flagged by forward hooks, which also run in a checkpointed layer's recompute):
@@ -1105,13 +1202,14 @@ def _revert_rotary(model: PreTrainedModel, state: dict) -> None:
 # public API
 
 
-_PARTS = ("attention", "loss", "norm", "mlp", "rotary")
+_PARTS = ("attention", "loss", "norm", "mlp", "rotary", "cast_once")
 
 
 def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
-          rotary: bool = True) -> PreTrainedModel:
+          rotary: bool = True, cast_once: bool = True) -> PreTrainedModel:
     """Make ``model`` use fused attention (``attention``), the fused causal-LM loss (``loss``), fused RMSNorm /
-    LayerNorm (``norm``), the fused SwiGLU gate (``mlp``) and the fused rotary embedding (``rotary``), in place;
+    LayerNorm (``norm``), the fused SwiGLU gate (``mlp``) and the fused rotary embedding (``rotary``), and under
+    autocast cast a hidden state that several linear layers of a module read once (``cast_once``), in place;
     returns the same model. Idempotent; enables what is asked and leaves the rest as it is (:func:`revert`
     undoes). See the module docstring for what each does and when it falls back to stock."""
     if not isinstance(model, PreTrainedModel):
@@ -1127,11 +1225,13 @@ def apply(model: PreTrainedModel, attention: bool = True, loss: bool = True, nor
         _apply_module_forwards(model, state, "mlp", _mlp_forward)
     if rotary:
         _apply_rotary(model, state)
+    if cast_once:
+        _apply_cast_once(model, state)
     return model
 
 
 def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
-           rotary: bool = True) -> PreTrainedModel:
+           rotary: bool = True, cast_once: bool = True) -> PreTrainedModel:
     """Undo :func:`apply` (what is asked of it): the attention implementations the model and its sub-models had, the
     stock forwards, transformers' own rotary function. Returns the same model; a model never applied is returned
     unchanged."""
@@ -1147,14 +1247,17 @@ def revert(model: PreTrainedModel, attention: bool = True, loss: bool = True, no
             _revert_module_forwards(state, what)
     if rotary:
         _revert_rotary(model, state)
+    if cast_once:
+        _revert_cast_once(state)
     if not state:
         del model.__dict__[_STATE]
     return model
 
 
 def is_applied(model: PreTrainedModel) -> dict[str, bool]:
-    """{"attention": ..., "loss": ..., "norm": ..., "mlp": ..., "rotary": ...}: what :func:`apply` currently has in
-    place on ``model`` (a layer kind counts as applied even where the model has no layer of that kind)."""
+    """{"attention": ..., "loss": ..., "norm": ..., "mlp": ..., "rotary": ..., "cast_once": ...}: what :func:`apply`
+    currently has in place on ``model`` (a layer kind counts as applied even where the model has no layer of that
+    kind)."""
     state = model.__dict__.get(_STATE, {})
     return {part: part in state for part in _PARTS}
 
@@ -1163,21 +1266,22 @@ class AutoFusedModelForCausalLM:
     """transformers' ``AutoModelForCausalLM`` returning applied models:
     ``AutoFusedModelForCausalLM.from_pretrained("meta-llama/Llama-3.2-1B", dtype=torch.bfloat16)`` is
     ``apply(AutoModelForCausalLM.from_pretrained(...))``. Every argument is transformers'; the parts to fuse are
-    the keyword-only ``attention``, ``loss``, ``norm``, ``mlp`` and ``rotary`` (all True by default), as for
-    :func:`apply`."""
+    the keyword-only ``attention``, ``loss``, ``norm``, ``mlp``, ``rotary`` and ``cast_once`` (all True by default),
+    as for :func:`apply`."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, attention: bool = True, loss: bool = True,
-                        norm: bool = True, mlp: bool = True, rotary: bool = True, **kwargs) -> PreTrainedModel:
+                        norm: bool = True, mlp: bool = True, rotary: bool = True, cast_once: bool = True,
+                        **kwargs) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary)
+        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary, cast_once=cast_once)
 
     @classmethod
     def from_config(cls, config, *, attention: bool = True, loss: bool = True, norm: bool = True, mlp: bool = True,
-                    rotary: bool = True, **kwargs) -> PreTrainedModel:
+                    rotary: bool = True, cast_once: bool = True, **kwargs) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary)
+        return apply(model, attention=attention, loss=loss, norm=norm, mlp=mlp, rotary=rotary, cast_once=cast_once)
