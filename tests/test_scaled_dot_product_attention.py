@@ -1558,7 +1558,7 @@ def test_cuda_hopper_softcap(case, dtype, monkeypatch):
     assert set(calls) == set(GLUON_KERNELS)
 
 
-# D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window), the Triton backward
+# D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window) and backward
 HOPPER_D256_CASES = [
     (1, 4, 2, 300, 300, 256, True, None, (70, 0), 25.0),
     (2, 2, 2, 257, 200, 256, False, None, (60, 45), 0.0),
@@ -1570,13 +1570,13 @@ HOPPER_D256_CASES = [
 @pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_D256_CASES, ids=lambda c: f"L{c[3]}S{c[4]}w{c[8][0]},{c[8][1]}cap{c[9]}")
-def test_cuda_hopper_d256_forward(case, dtype, ws, monkeypatch):
-    """At head dim 256 the forward runs a Gluon kernel (windows on either forward, soft-cap, GQA, ragged L != S), the
-    backward the Triton kernels on its logsumexp: parity of the output and every gradient."""
+def test_cuda_hopper_d256(case, dtype, ws, monkeypatch):
+    """At head dim 256 the forward and both backward passes run Gluon kernels (windows on either forward, soft-cap,
+    GQA, ragged L != S; dK/dV on two warpgroups that split its columns): parity of the output and every gradient."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_window_softcap(case, dtype, device="cuda")
     on_intervals = ws and case[8] != (-1, -1)
-    assert set(calls) == {"attention_forward"} | ({"_forward_warp_specialized"} if on_intervals else set())
+    assert set(calls) == set(GLUON_KERNELS) | ({"_forward_warp_specialized"} if on_intervals else set())
 
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
@@ -1874,6 +1874,8 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (1, 4, 4, 300, 517, 128, True),  # L < S causal: key blocks no query reaches get zero dK, dV
     (3, 2, 1, 200, 200, 64, True),
     (1, 2, 2, 64, 2000, 64, False),  # one query block, many key blocks
+    (1, 4, 2, 300, 517, 256, True),  # D256: two warpgroups on each dK/dV tile, 32-key dQ steps
+    (2, 2, 2, 333, 200, 256, False),
 ]
 
 
@@ -1916,6 +1918,7 @@ def test_hopper_backward_routing(monkeypatch):
         return hopper.backward_passes(q, q, q, q, True, 1.0, causal)
 
     assert passes(128, True) == passes(128, False) == passes(64, False) == passes(64, True) == (True, True)
+    assert passes(256, True) == passes(256, False) == (True, True)
     monkeypatch.setattr(hopper, "dq_enabled", False)
     assert passes(128, True) == (True, False)
     monkeypatch.setattr(hopper, "backward_enabled", False)

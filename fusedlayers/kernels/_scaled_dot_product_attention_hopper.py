@@ -23,7 +23,7 @@ h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+
 about 0.84x cuDNN's); each run since the one at e6a0c55 has had one or two rows a few percent under 1.0x / 0.9x, never
 the same ones.
 
-They cover fp16/bf16, head dims 64 and 128 (D = Dv; the forward also 256, whose backward is the Triton kernels'),
+They cover fp16/bf16, head dims 64, 128 and 256 (D = Dv),
 no attn_mask or dropout, a positive scale, inputs (and the output's gradient) the TMA can describe (last dim
 contiguous, other strides and the base 16-byte aligned), calls of at least MIN_FLOPS. Windows and packed sequences
 (fl.varlen_attention) come as per-row key intervals: the key blocks no row of a query block reaches are skipped, the
@@ -68,7 +68,7 @@ _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64
             (256, False): (64, 32, 2), (256, True): (64, 32, 2)}
 # Head dims the forwards take (those configured above) and the backward's passes (D256's backward: the Triton kernels).
 FORWARD_HEAD_DIMS = tuple(sorted({d for d, _ in _CONFIGS}))
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 
 # Smaller calls keep the Triton forward. At B*L = 16384, H*D = 2048 (4 * 16384 * 2048 * L flops, half of it causal)
@@ -784,8 +784,11 @@ if gluon is not None:
 # loaded under the previous step's dV and dK products, 1.06-1.13x forward+backward over (128 keys, 8 warps), whose two
 # warpgroups shared the query blocks and so ran in step (D128, H100, L 2K-16K, causal and not; D64: 1.02-1.06x, and
 # 1.02-1.06x the Triton dK/dV at D64 causal, which used to keep it). Also the fastest with key intervals (packed
-# documents, windows), whose edge blocks waste less with fewer keys (1.06-1.15x over 128 keys, H100).
-_DKDV_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
+# documents, windows), whose edge blocks waste less with fewer keys (1.06-1.15x over 128 keys, H100). D256: a 64 x
+# 256 dK and dV do not fit one warpgroup's registers; two warpgroups (8 warps, one program an SM: 196 KB of shared
+# memory) share the 64 keys, each with half of every tile's columns (217-229 registers, no spills): forward+backward
+# 1.46-1.58x the Triton dK/dV kernel's (H200, B*L = 16384, H*D = 2048, L 1K-16K, causal from 4K).
+_DKDV_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 64, 8)}
 backward_enabled = True  # False: the Triton dK/dV kernel (A/B timing)
 
 
@@ -849,10 +852,13 @@ if gluon is not None:
         (key x query) tiles so that P^T and dS^T feed the next products from registers. SOFTCAP: S^T is
         tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        # 8 warps (D256): two warpgroups on the same 64 keys, each with half of every tile's columns (queries in
+        # S^T and dP^T, head dims in dK and dV), so that dK and dV fit in registers
+        WARPS_N: gl.constexpr = num_warps // 4
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
+                                                           instr_shape=[16, BLOCK_M // WARPS_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
+                                                             instr_shape=[16, HEAD_DIM // WARPS_N, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -971,8 +977,11 @@ if gluon is not None:
 # or four candidates each on an H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K, with the Gluon dK/dV): forward+backward
 # 1.03-1.10x the Triton dQ kernel at D128 and 1.00-1.06x at D64 from MIN_FLOPS up. Block j-1's dQ product is issued
 # behind block j's S and dP and runs under block j's softmax (FA3's intra-warpgroup overlap): 1.02-1.05x
-# forward+backward over waiting for it within its own step at D128, 0.97-1.03x at D64 (H100, L 2K-16K).
-_DQ_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4)}
+# forward+backward over waiting for it within its own step at D128, 0.97-1.03x at D64 (H100, L 2K-16K). D256: 32-key
+# blocks (one program an SM, 148 KB of shared memory; 64-key blocks need more than the SM has), one warpgroup with the
+# 64 x 256 dQ in its registers (203-206, no spills): forward+backward 1.04-1.08x the Triton dQ's (with the Gluon dK/dV;
+# H200, L 1K-16K); two warpgroups splitting the columns, 0.92-0.99x.
+_DQ_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}
 dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
 
@@ -1033,10 +1042,11 @@ if gluon is not None:
         SOFTCAP: as the dK/dV kernel's. FORM_DELTA: delta = rowsum(dO * O) formed here (O read once from Out) and
         written to Delta for the dK/dV pass."""
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        WARPS_N: gl.constexpr = num_warps // 4  # as the dK/dV kernel's: 8 warps split each tile's columns
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
+                                                           instr_shape=[16, BLOCK_N // WARPS_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
+                                                             instr_shape=[16, HEAD_DIM // WARPS_N, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
