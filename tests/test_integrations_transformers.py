@@ -871,6 +871,35 @@ def test_cast_once_is_bitwise_stock_with_one_copy(arch):
         assert torch.equal(p.grad, _grads(stock)[name]), name
 
 
+@needs_transformers
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_cast_once_under_activation_checkpointing(reentrant):
+    """transformers' gradient checkpointing recomputes each layer in backward (with autocast restored): the shared
+    cast is made again there, and the loss and every gradient stay bitwise stock's."""
+    model, _ = _tiny("llama")
+    stock = copy.deepcopy(model)
+    flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
+    for m in (model, stock):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    made = []
+    real = flt._SharedCast.apply
+    flt._SharedCast.apply = lambda *a: (made.append(a[2]), real(*a))[1]
+    try:
+        loss, grads, _, _ = _autocast_step(model, _batch("left"))
+    finally:
+        flt._SharedCast.apply = real
+    stock_loss, stock_grads, _, _ = _autocast_step(stock, _batch("left"))
+    assert made == [4, 3] * model.config.num_hidden_layers * 2  # forward, then the recompute in backward
+    assert torch.equal(loss, stock_loss)
+    # reentrant: the layers' linear weights get no gradient, in stock too (autocast's weight casts, cached in the
+    # no-grad forward, are reused by the recompute); the same gradients exist and are equal either way
+    assert {n for n, g in grads.items() if g is None} == {n for n, g in stock_grads.items() if g is None}
+    assert sum(g is not None for g in grads.values()) >= 3
+    for name, grad in grads.items():
+        assert grad is None or torch.equal(grad, stock_grads[name]), name
+
+
 class _TwoHeads(torch.nn.Module):
     """Two linear layers on one input, the second with autocast off around it, and a third on another tensor."""
 
