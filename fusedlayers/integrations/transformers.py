@@ -133,12 +133,12 @@ except ImportError as _error:
 from fusedlayers import functional as _fl  # looked up at call time (tests wrap its functions)
 from fusedlayers.backend import use_triton as _use_triton
 from fusedlayers.integrations import _legacy_attention  # noqa: E402  (it uses this module at call time only)
+from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 
 try:
     from fusedlayers.kernels import shared_cast as _shared_cast_kernels
 except ImportError:  # no Triton: PyTorch sums the gradients
     _shared_cast_kernels = None
-from fusedlayers.ops import scaled_dot_product_attention as _attention_ops
 
 __all__ = ["NAME", "apply", "revert", "register", "attention_forward", "fallbacks", "is_applied",
            "AutoFusedModelForCausalLM"]

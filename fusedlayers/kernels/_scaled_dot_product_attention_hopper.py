@@ -66,7 +66,7 @@ enabled = os.environ.get("FUSEDLAYERS_HOPPER_ATTENTION", "1") != "0"  # 0: the T
 # causal needs BLOCK_M to be a multiple of BLOCK_N (the diagonal block).
 _CONFIGS = {(64, False): (64, 64, 2), (64, True): (64, 64, 2), (128, False): (64, 128, 1), (128, True): (64, 64, 2),
             (256, False): (64, 32, 2), (256, True): (64, 32, 2)}
-# Head dims the forwards take (those configured above) and the backward's passes (D256's backward: the Triton kernels).
+# Head dims the forwards take (those configured above) and the backward's passes.
 FORWARD_HEAD_DIMS = tuple(sorted({d for d, _ in _CONFIGS}))
 BACKWARD_HEAD_DIMS = (64, 128, 256)
 
@@ -980,7 +980,7 @@ if gluon is not None:
 # forward+backward over waiting for it within its own step at D128, 0.97-1.03x at D64 (H100, L 2K-16K). D256: 32-key
 # blocks (one program an SM, 148 KB of shared memory; 64-key blocks need more than the SM has), one warpgroup with the
 # 64 x 256 dQ in its registers (203-206, no spills): forward+backward 1.04-1.08x the Triton dQ's (with the Gluon dK/dV;
-# H200, L 1K-16K); two warpgroups splitting the columns, 0.92-0.99x.
+# H200, L 1K-16K); two warpgroups splitting the columns as the dK/dV kernel's do, 0.92-0.99x.
 _DQ_CONFIGS = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}
 dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
@@ -1042,11 +1042,10 @@ if gluon is not None:
         SOFTCAP: as the dK/dV kernel's. FORM_DELTA: delta = rowsum(dO * O) formed here (O read once from Out) and
         written to Delta for the dK/dV pass."""
         dtype: gl.constexpr = q_desc.dtype
-        WARPS_N: gl.constexpr = num_warps // 4  # as the dK/dV kernel's: 8 warps split each tile's columns
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
-                                                           instr_shape=[16, BLOCK_N // WARPS_N, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS_N],
-                                                             instr_shape=[16, HEAD_DIM // WARPS_N, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
