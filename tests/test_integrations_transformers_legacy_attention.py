@@ -49,12 +49,15 @@ CASES = [
     ("mvp", {}),
     ("rembert", {}),
     ("megatron-bert", {}),
+    ("roformer", {}),  # its sinusoidal rotary embedding on query and key
+    ("roformer", {"rotary_value": True}),  # and on value
 ]
 IDS = [f"{arch}-{'-'.join(over) or 'default'}" for arch, over in CASES]
 # the families whose stock attention stays in the model's dtype (GPT-Neo, BLOOM and MPT compute theirs in float32,
 # XGLM's float64 masks overflow its float32 cast): also compared in float64
 FLOAT64 = [(i, case) for i, case in enumerate(CASES)
-           if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon", "trocr", "mvp", "rembert", "megatron-bert")]
+           if case[0] in ("openai-gpt", "gpt_neox_japanese", "falcon", "trocr", "mvp", "rembert", "megatron-bert",
+                          "roformer")]
 
 
 def _model(arch, overrides, dtype=torch.float64):
@@ -157,8 +160,8 @@ def test_gpt_neo_local_band_matters(attention_calls):
     assert not torch.allclose(loss_f, _shifted_loss(wide, batch), rtol=1e-6)
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [CASES[i] for i in (0, 2, 3, 4, 5, 6, 8, 10)],
-                         ids=[IDS[i] for i in (0, 2, 3, 4, 5, 6, 8, 10)])
+@pytest.mark.parametrize(("arch", "overrides"), [CASES[i] for i in (0, 2, 3, 4, 5, 6, 8, 10, 16)],
+                         ids=[IDS[i] for i in (0, 2, 3, 4, 5, 6, 8, 10, 16)])
 def test_generate_matches_stock(arch, overrides, attention_calls):
     stock, fused = _pair(arch, overrides, torch.float32)
     batch = make_batch(stock, "left")
@@ -172,7 +175,7 @@ def test_generate_matches_stock(arch, overrides, attention_calls):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("arch", ["gpt_neo", "bloom", "mpt", "falcon", "gpt_neox_japanese", "openai-gpt"])
+@pytest.mark.parametrize("arch", ["gpt_neo", "bloom", "mpt", "falcon", "gpt_neox_japanese", "openai-gpt", "roformer"])
 def test_output_attentions_runs_stock(arch, attention_calls):
     stock, fused = _pair(arch, {}, loss=False, norm=False, mlp=False, rotary=False)
     batch = make_batch(stock, "none")
@@ -265,12 +268,13 @@ def test_mvp_prompts_in_the_encoder_decoder_model(attention_calls):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("arch", ["rembert", "trocr"])
+@pytest.mark.parametrize("arch", ["rembert", "trocr", "roformer"])
 def test_decoder_cross_attention_equals_stock(arch, attention_calls):
     """Decoders given an encoder's states (cross-attention layers, with the encoder's padding mask): the logits of
-    stock in float64, self- and cross-attention both on our op (the BERT- and BART-era code; Megatron-BERT's stock
+    stock in float64, self- and cross-attention both on our op (the BERT- and BART-era code, RoFormer's rotary
+    self-attention; Megatron-BERT's stock
     cross-attention cannot take an encoder of another length, XGLM's overflows in float64)."""
-    overrides = {"add_cross_attention": True, "is_decoder": True} if arch == "rembert" else {}
+    overrides = {"add_cross_attention": True, "is_decoder": True} if arch in ("rembert", "roformer") else {}
     stock, fused = _pair(arch, overrides, loss=False)
     batch = make_batch(stock, "left")
     hidden = stock.config.hidden_size if hasattr(stock.config, "hidden_size") else stock.config.d_model

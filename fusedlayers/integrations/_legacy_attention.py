@@ -303,6 +303,33 @@ def _bert_era_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
     return out.reshape(B, L, self.all_head_size), None
 
 
+def _roformer_forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None,
+                      cache=None, output_attentions=False, **kwargs):
+    """RoFormer's self-attention: the BERT-era attention with its sinusoidal rotary embedding (the stock function) on
+    query and key, and value with ``rotary_value``, before the cache; its cross-attention has none (BERT's)."""
+    if output_attentions or _weights_wanted.get():
+        given = {"cache": cache} if cache is not None else {}
+        return _stock(self, "forward", hidden_states, attention_mask, sinusoidal_pos, encoder_hidden_states,
+                      output_attentions=output_attentions, **given, **kwargs)
+    if encoder_hidden_states is not None or sinusoidal_pos is None:
+        return _bert_era_forward(self, hidden_states, attention_mask, encoder_hidden_states, cache, **kwargs)
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    B, L, _ = hidden_states.shape
+    d = self.attention_head_size
+    query, key, value = (proj(hidden_states).view(B, L, -1, d).transpose(1, 2)
+                         for proj in (self.query, self.key, self.value))
+    if self.rotary_value:
+        query, key, value = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key, value)
+    else:
+        query, key = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key)
+    if cache is not None:
+        current = cache.self_attention_cache if hasattr(cache, "is_updated") else cache
+        key, value = _cache_update(self, current, key, value, kwargs)
+    out, _ = _flt.attention_forward(self, query, key, value, attention_mask, dropout=_dropout(self, self.dropout.p),
+                                    scaling=1.0 / math.sqrt(d), is_causal=False)
+    return out.reshape(B, L, self.all_head_size), None
+
+
 #: (modeling module, class, attribute replaced) -> our function
 FAMILIES = {
     ("transformers.models.openai.modeling_openai", "Attention", "_attn"): _openai_attn,
@@ -318,6 +345,7 @@ FAMILIES = {
     ("transformers.models.rembert.modeling_rembert", "RemBertSelfAttention", "forward"): _bert_era_forward,
     ("transformers.models.megatron_bert.modeling_megatron_bert", "MegatronBertSelfAttention", "forward"):
         _bert_era_forward,
+    ("transformers.models.roformer.modeling_roformer", "RoFormerSelfAttention", "forward"): _roformer_forward,
 }
 
 
