@@ -34,8 +34,8 @@ bool/float tensor), ``layout`` (not 4-D, batch broadcast between query and key, 
 ``head_dim`` (key and query head dims differ), ``sliding_window`` (a window the mask does not encode: no mask and
 more keys than the window), ``mask_shape``. Twelve families whose attention predates the ``AttentionInterface``
 (OpenAI GPT, GPT-Neo, GPT-NeoX-Japanese, BLOOM, Falcon, MPT, XGLM, TrOCR, MVP, RemBERT, Megatron-BERT, RoFormer) get
-their attention code swapped for the same steps on this function instead (``fusedlayers.integrations._legacy_attention``);
-others of that age stay stock, with a warning.
+their attention code swapped for the same steps on this function instead
+(``fusedlayers.integrations._legacy_attention``); others of that age stay stock, with a warning.
 
 **loss** -- replaces the ``forward`` of this model instance (not its class) by one that, when ``labels`` are
 given, computes the causal-LM loss with ``fl.linear_cross_entropy`` on the final hidden states and the
