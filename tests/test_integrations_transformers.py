@@ -839,10 +839,12 @@ def _autocast_step(model, batch, device="cpu"):
 
 @needs_transformers
 @pytest.mark.parametrize("arch", ["llama", "phi"])
-def test_cast_once_is_bitwise_stock_with_one_copy(arch):
+def test_cast_once_is_bitwise_stock_with_one_copy(arch, monkeypatch):
     """Under autocast over fp32 weights the q/k/v projections (and an MLP's gate and up) read one bf16 copy of their
     fp32 input instead of casting it each: the loss and every gradient bitwise the stock ones (their gradients summed
-    in fp32 in autograd's order), fewer bytes saved for backward, nothing changed outside autocast."""
+    in fp32 in autograd's order), fewer bytes saved for backward, nothing changed outside autocast or below the size
+    where sharing pays."""
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", 0)  # these activations are tiny
     model, _ = _tiny(arch)
     stock = copy.deepcopy(model)
     flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
@@ -869,13 +871,19 @@ def test_cast_once_is_bitwise_stock_with_one_copy(arch):
     stock(**batch).loss.backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, _grads(stock)[name]), name
+    # inputs smaller than the threshold: each child casts its own, as stock
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", B * T * model.config.hidden_size + 1)
+    model.zero_grad()
+    _, _, small_saved, small_inputs = _autocast_step(model, batch)
+    assert small_saved == stock_saved and small_inputs[groups[0][0]].dtype == torch.float32
 
 
 @needs_transformers
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_cast_once_under_activation_checkpointing(reentrant):
+def test_cast_once_under_activation_checkpointing(reentrant, monkeypatch):
     """transformers' gradient checkpointing recomputes each layer in backward (with autocast restored): the shared
     cast is made again there, and the loss and every gradient stay bitwise stock's."""
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", 0)
     model, _ = _tiny("llama")
     stock = copy.deepcopy(model)
     flt.apply(model, **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
@@ -913,9 +921,10 @@ class _TwoHeads(torch.nn.Module):
         return self.a(x), off, self.c(x.clone())
 
 
-def test_cast_once_only_where_autocast_would_cast():
+def test_cast_once_only_where_autocast_would_cast(monkeypatch):
     """A child called with autocast off gets the fp32 input (no dtype mismatch), one given another tensor its own,
     an input that is already 16-bit or float64 is left alone; the hooks come off with ``revert``'s helper."""
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", 0)
     module, state = _TwoHeads(), {}
     stock = copy.deepcopy(module)
     flt._apply_cast_once(module, state)
@@ -961,9 +970,10 @@ def test_shared_cast_gradient_sum_kernel(dtypes):
 
 @needs_transformers
 @pytest.mark.cuda
-def test_cuda_cast_once_is_bitwise_stock():
+def test_cuda_cast_once_is_bitwise_stock(monkeypatch):
     """On the GPU (the gradient sum's kernel compiled): a tiny Llama with eager attention (deterministic), autocast
     over fp32 weights: loss and every gradient bitwise stock's."""
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", 0)
     model, _ = _tiny("llama", attn="eager")
     model = model.cuda()
     stock = copy.deepcopy(model)

@@ -1026,6 +1026,10 @@ def _revert_module_forwards(state: dict, what: str) -> None:
 # take the cast input (they would have cast it themselves), only the very tensor the module was given, and only while
 # autocast casts to the same dtype. The hooks are module-level functions: no reference to the model.
 _shared_casts = threading.local()  # .stack: (module input, its casts not yet taken) per hooked module running
+# Inputs of fewer elements keep stock's casts: sharing saves about 44 bytes of memory traffic an element (three
+# children; 0.16 ms a layer on an H200 at 16M elements) for tens of microseconds of Python a module call, which a
+# small, host-bound step would wait for (a 24-layer model of hidden 32 on the CPU: up to 1.2x slower with it).
+CAST_ONCE_MIN_ELEMENTS = 2**22
 
 
 class _SharedCast(torch.autograd.Function):
@@ -1063,7 +1067,8 @@ def _autocast_target(x) -> torch.dtype | None:
 def _cast_once_enter(module, args, kwargs, children):
     x = args[0] if args else kwargs.get("hidden_states")
     dtype = _autocast_target(x)
-    casts = list(_SharedCast.apply(x, dtype, children)) if dtype is not None else []
+    share = dtype is not None and x.numel() >= CAST_ONCE_MIN_ELEMENTS
+    casts = list(_SharedCast.apply(x, dtype, children)) if share else []
     _shared_casts.__dict__.setdefault("stack", []).append((x, casts))
 
 
