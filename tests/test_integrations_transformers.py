@@ -876,6 +876,9 @@ def test_cast_once_is_bitwise_stock_with_one_copy(arch, monkeypatch):
     model.zero_grad()
     _, _, small_saved, small_inputs = _autocast_step(model, batch)
     assert small_saved == stock_saved and small_inputs[groups[0][0]].dtype == torch.float32
+    # a 16-bit model (no autocast casts to share): no hooks at all
+    half = flt.apply(copy.deepcopy(stock).bfloat16(), **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
+    assert flt.is_applied(half)["cast_once"] and not any(m._forward_pre_hooks for m in half.modules())
 
 
 @needs_transformers

@@ -1024,7 +1024,8 @@ def _revert_module_forwards(state: dict, what: str) -> None:
 # one tensor), each linear child takes one of them in its own pre-hook, and the backward sums their gradients in fp32
 # in the order autograd would, so values and gradients are bitwise the stock ones. Only exact ``nn.Linear`` children
 # take the cast input (they would have cast it themselves), only the very tensor the module was given, and only while
-# autocast casts to the same dtype. The hooks are module-level functions: no reference to the model.
+# autocast casts to the same dtype. The hooks are module-level functions: no reference to the model. Only linear
+# layers with fp32 weights at ``apply`` get them (a model converted to fp32 later: reapply).
 _shared_casts = threading.local()  # .stack: (module input, its casts not yet taken) per hooked module running
 # Inputs of fewer elements keep stock's casts: sharing saves about 44 bytes of memory traffic an element (three
 # children; 0.16 ms a layer on an H200 at 16M elements) for tens of microseconds of Python a module call, which a
@@ -1091,7 +1092,9 @@ def _apply_cast_once(model: PreTrainedModel, state: dict) -> None:
         return
     hooks = []
     for module in model.modules():
-        linears = [child for child in module.children() if type(child) is nn.Linear]
+        # fp32 weights: a model trained under autocast (a 16-bit model's hidden states need no cast: no hooks)
+        linears = [child for child in module.children()
+                   if type(child) is nn.Linear and child.weight.dtype == torch.float32]
         if len(linears) < 2:
             continue
         hooks.append(module.register_forward_pre_hook(
