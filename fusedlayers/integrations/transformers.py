@@ -77,8 +77,8 @@ updated it).
 **cast_once** -- under autocast over fp32 weights, a module's fp32 input that several of its ``nn.Linear`` children
 read (q/k/v projections, an MLP's gate and up) is cast to the autocast dtype once instead of by each child, and one
 16-bit copy is kept for their backward instead of one each; their gradients are summed in fp32 as autograd sums
-them, so values and gradients are bitwise stock's (hooks on the module and its linear children; see
-``_SharedCast``).
+them: bitwise stock's where the input feeds only those layers, else the same terms in another order (hooks on the
+module and its linear children; see ``_SharedCast``).
 
 Works for decoder ``*ForCausalLM`` models whose output embedding ``model.get_output_embeddings()`` is an
 ``nn.Linear`` and whose forward takes ``labels`` (tested: Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-2, Phi, Cohere,
@@ -1022,7 +1022,8 @@ def _revert_module_forwards(state: dict, what: str) -> None:
 # gate and up) is cast to the autocast dtype by each of them, and each keeps its own 16-bit copy for its backward.
 # ``cast_once``: the module's forward pre-hook casts it once (``_SharedCast``: one output per linear child, views of
 # one tensor), each linear child takes one of them in its own pre-hook, and the backward sums their gradients in fp32
-# in the order autograd would, so values and gradients are bitwise the stock ones. Only exact ``nn.Linear`` children
+# in the order autograd would: bitwise the stock values and gradients where the input feeds nothing else (a residual
+# or a parallel block gets its gradient added between the children's in stock). Only exact ``nn.Linear`` children
 # take the cast input (they would have cast it themselves), only the very tensor the module was given, and only while
 # autocast casts to the same dtype. The hooks are module-level functions: no reference to the model. Only linear
 # layers with fp32 weights at ``apply`` get them (a model converted to fp32 later: reapply).
