@@ -227,6 +227,29 @@ def test_trainer_left_padding_gradient_accumulation(checkpointing, calls, tmp_pa
     _assert_same_weights(stock, fused)
 
 
+def test_trainer_bf16_cast_once_is_stock(calls, tmp_path, monkeypatch):
+    """Trainer's mixed precision (``bf16=True``: fp32 weights, the step under bf16 autocast) with ``cast_once``: each
+    layer's q/k/v and gate/up read one bf16 copy of their input, and three steps with gradient accumulation log the
+    stock losses and gradient norms and end at the stock weights, bit for bit (the tiny model's inputs are below the
+    size where sharing is switched on by default: the threshold is off here)."""
+    monkeypatch.setattr(flt, "CAST_ONCE_MIN_ELEMENTS", 0)
+    made = []
+    shared_cast = flt._SharedCast.apply
+    monkeypatch.setattr(flt._SharedCast, "apply", lambda *a: (made.append(a[1]), shared_cast(*a))[1])
+    tokenizer = _tokenizer(padding_side="left")
+    data = _tokenized(tokenizer)
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    stock = _tiny_llama()
+    fused = flt.apply(copy.deepcopy(stock), **{**dict.fromkeys(flt._PARTS, False), "cast_once": True})
+
+    stock_logs, _ = _trainer_run(stock, tmp_path, data, collator, bf16=True)
+    assert not made
+    fused_logs, _ = _trainer_run(fused, tmp_path, data, collator, bf16=True)
+    assert made == [torch.bfloat16] * 2 * LAYERS * MICRO_BATCHES  # attention and MLP of every layer, every forward
+    _assert_same_logs(stock_logs, fused_logs, rtol=0, atol=0)
+    _assert_same_weights(stock, fused, rtol=0, atol=0)
+
+
 def test_trainer_padding_free_flattening(calls, tmp_path):
     """Padding-free packing with transformers.DataCollatorWithFlattening: each batch is one row of documents with
     position_ids restarting; transformers builds a block-diagonal causal mask (stock SDPA reads it), the fused attention
