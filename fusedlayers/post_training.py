@@ -830,7 +830,9 @@ class _FusedJSD(torch.autograd.Function):
             n_rows, vocab = xs.shape[0], ws.shape[0]
             loss_rows = torch.zeros(n_rows, dtype=acc, device=xs.device)
             gx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if needs[0] else None
-            gw = torch.zeros(ws.shape, dtype=accumulation_dtype or ws.dtype, device=xs.device) if needs[1] else None
+            # the first chunk writes grad_W (no zero fill, no read of zeros); no rows, no chunk: zeros
+            new = torch.empty if n_rows else torch.zeros
+            gw = new(ws.shape, dtype=accumulation_dtype or ws.dtype, device=xs.device) if needs[1] else None
             gb = torch.zeros(vocab, dtype=acc, device=xs.device) if needs[2] and bs is not None else None
             ws_c, wt_c = ws.to(compute_dtype), wt.to(compute_dtype)
             bs_c = bs.to(compute_dtype) if bs is not None else None
@@ -852,9 +854,9 @@ class _FusedJSD(torch.autograd.Function):
                     loss_rows[start:stop] = loss_c
                     s.copy_(grad_c * scale)
                 if gx is not None:
-                    gx[start:stop] = torch.mm(s, ws_c)
+                    torch.mm(s, ws_c, out=gx[start:stop])
                 if gw is not None:
-                    _addmm_acc_(gw, s.t(), xs_c, False)
+                    _addmm_acc_(gw, s.t(), xs_c, start == 0)
                 if gb is not None:
                     gb += s.sum(0, dtype=acc)
         _save_gradients(ctx, (gx, gw, gb), (xs, ws, bs))

@@ -23,9 +23,11 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fusedlayers.kernels import launch, next_power_of_2
 from fusedlayers.kernels.cross_entropy import _transform_with_slope
+from fusedlayers.kernels.scaled_dot_product_attention import INTERPRETED
 
 BLOCK = 4096
 
@@ -57,6 +59,20 @@ def _lse(x_ptr, n_cols, inv_t, scale, cap, HAS_SCALE: tl.constexpr, HAS_CAP: tl.
 
 
 @triton.jit
+def _log_mixture(ls, lt, log_beta, log_1m_beta):
+    """log((1 - beta) ps + beta pt) from the log-probabilities, as hi + log(1 + exp(lo - hi)). On the GPU the log of
+    that sum in [1, 2] is the hardware's lg2.approx (absolute error ~1e-7 there): libdevice's accurate logf cost a
+    quarter of the row kernel's time (1.31 against 1.01 ms a 1792 x 128256 bf16 chunk, H200)."""
+    a = log_1m_beta + ls
+    b = log_beta + lt
+    hi = tl.maximum(a, b)
+    x = 1.0 + tl.exp(tl.minimum(a, b) - hi)
+    if INTERPRETED:  # the interpreter has no libdevice
+        return hi + tl.log(x)
+    return hi + libdevice.fast_logf(x)
+
+
+@triton.jit
 def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta, log_beta, log_1m_beta, grad_scale,
                 s_scale, s_cap, t_scale, t_cap, MODE: tl.constexpr, S_SCALE: tl.constexpr, S_CAP: tl.constexpr,
                 T_SCALE: tl.constexpr, T_CAP: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -80,10 +96,7 @@ def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta,
             if MODE == 1:
                 kl_s += tl.sum(ps * (ls - lt), axis=0)
             else:
-                a = log_1m_beta + ls
-                b = log_beta + lt
-                hi = tl.maximum(a, b)
-                lm = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+                lm = _log_mixture(ls, lt, log_beta, log_1m_beta)
                 pt = tl.where(mask, tl.exp(lt), 0.0)
                 kl_s += tl.sum(ps * (ls - lm), axis=0)
                 total += tl.sum(pt * (lt - lm), axis=0)
@@ -103,10 +116,7 @@ def _jsd_kernel(s_ptr, t_ptr, loss_ptr, n_cols, stride_s, stride_t, inv_t, beta,
         elif MODE == 1:
             d = ps * ((ls - lt) - kl_s)
         else:
-            a = log_1m_beta + ls
-            b = log_beta + lt
-            hi = tl.maximum(a, b)
-            lm = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+            lm = _log_mixture(ls, lt, log_beta, log_1m_beta)
             d = (1.0 - beta) * ps * ((ls - lm) - kl_s)
         if S_SCALE or S_CAP:
             d = d * slope
