@@ -8,9 +8,11 @@
 Choose with ``fl.use_backend(name)`` (a context manager, process-wide as torch's ``sdpa_kernel``) or the environment
 variable ``FUSEDLAYERS_BACKEND``.
 
-Attention's backward is deterministic by default (bitwise the same gradients every run).
-``fl.use_deterministic_attention(False)`` (or ``FUSEDLAYERS_DETERMINISTIC_ATTENTION=0``) lets the Triton backward
-add dQ with atomics where that is faster; ``torch.use_deterministic_algorithms(True)`` keeps it deterministic.
+Attention's backward follows PyTorch's convention (as its flash and cuDNN backwards and FlashAttention do): by
+default it may add dQ with atomics where that is faster, so that dQ's last bits can vary from run to run;
+``torch.use_deterministic_algorithms(True)``, ``fl.use_deterministic_attention(True)`` or
+``FUSEDLAYERS_DETERMINISTIC_ATTENTION=1`` make it bitwise reproducible. (The Hopper backward is deterministic in
+both modes: there it is also the faster one.)
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def use_backend(name: str):
 @contextlib.contextmanager
 def use_deterministic_attention(enabled: bool):
     """Inside the ``with`` block (process-wide, as ``torch.use_deterministic_algorithms``), attention's backward is
-    deterministic (``True``, the default outside any block) or may add dQ with atomics where that is faster
-    (``False``: dQ's last bits then vary from run to run). A backward run after the block ends is deterministic."""
+    bitwise reproducible (``True``) or may add dQ with atomics where that is faster (``False``, the default outside
+    any block unless torch's switch or ``$FUSEDLAYERS_DETERMINISTIC_ATTENTION=1`` says otherwise: dQ's last bits then
+    vary from run to run). ``torch.use_deterministic_algorithms(True)`` wins over ``False``."""
     if not isinstance(enabled, bool):
         raise TypeError(f"use_deterministic_attention: enabled must be a bool, got {type(enabled).__name__}")
     global _deterministic_attention
@@ -80,12 +83,13 @@ def use_deterministic_attention(enabled: bool):
 
 def deterministic_attention() -> bool:
     """Whether attention's backward must be deterministic: ``torch.use_deterministic_algorithms(True)``, else the
-    innermost ``use_deterministic_attention``, else ``$FUSEDLAYERS_DETERMINISTIC_ATTENTION`` (default 1)."""
+    innermost ``use_deterministic_attention``, else ``$FUSEDLAYERS_DETERMINISTIC_ATTENTION`` (default 0, torch's
+    convention: its flash and cuDNN backwards are not deterministic unless asked)."""
     if torch.are_deterministic_algorithms_enabled():
         return True
     if _deterministic_attention is not None:
         return _deterministic_attention
-    value = os.environ.get("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "1")
+    value = os.environ.get("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "0")
     if value not in ("0", "1"):
         raise ValueError(f"FUSEDLAYERS_DETERMINISTIC_ATTENTION must be 0 or 1, got {value!r}")
     return value == "1"

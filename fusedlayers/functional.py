@@ -121,7 +121,8 @@ def scaled_dot_product_attention(
     gradients where torch's layout is plain (see ``ops.scaled_dot_product_attention.torch_layout``).
     Rows whose keys are all masked give zeros (not NaN) and zero gradients. Accumulates in fp32 (fp64 for
     fp64); fp16/bf16/fp32 run the Triton kernels on CUDA. Saves only the inputs, the output and the
-    logsumexp per row; the backward is deterministic and computes only the gradients that are needed.
+    logsumexp per row; the backward computes only the gradients that are needed, and is bitwise reproducible
+    under ``torch.use_deterministic_algorithms(True)`` or ``fl.use_deterministic_attention(True)``.
     Under autocast, floating inputs are cast to the autocast dtype (as torch does for this op).
     """
     import math

@@ -1004,7 +1004,9 @@ def test_triton_kernels_only_needed_grads_and_determinism():
 def test_deterministic_attention_setting(monkeypatch):
     from fusedlayers.backend import deterministic_attention
     monkeypatch.delenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", raising=False)
-    assert deterministic_attention()  # the default
+    assert not deterministic_attention()  # the default, torch's convention
+    with fl.use_deterministic_attention(True):
+        assert deterministic_attention()
     with fl.use_deterministic_attention(False):
         assert not deterministic_attention()
         with fl.use_deterministic_attention(True):
@@ -1016,11 +1018,13 @@ def test_deterministic_attention_setting(monkeypatch):
             assert deterministic_attention()  # torch's global switch wins
         finally:
             torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    assert not deterministic_attention()
+    monkeypatch.setenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "1")
     assert deterministic_attention()
+    with fl.use_deterministic_attention(False):
+        assert not deterministic_attention()
     monkeypatch.setenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "0")
     assert not deterministic_attention()
-    with fl.use_deterministic_attention(True):
-        assert deterministic_attention()
     monkeypatch.setenv("FUSEDLAYERS_DETERMINISTIC_ATTENTION", "no")
     with pytest.raises(ValueError, match="FUSEDLAYERS_DETERMINISTIC_ATTENTION must be 0 or 1"):
         deterministic_attention()
@@ -1042,7 +1046,7 @@ def launched_kernels(monkeypatch) -> list[str]:
     return names
 
 
-# head dims in (64, 128], 16-bit: where the dK/dV kernel adds dQ atomically once determinism is off
+# head dims in (64, 128], 16-bit: where the dK/dV kernel adds dQ atomically unless determinism is asked for
 ATOMIC_DQ_CASES = [
     (1, 4, 2, 37, 45, 80, True),  # GQA 2:1, L < S, odd lengths, D 80 padded to 128
     (2, 2, 2, 50, 50, 128, False),
@@ -1059,11 +1063,20 @@ def test_triton_nondeterministic_backward_adds_dq_atomically(case, monkeypatch):
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.float16)
     names = launched_kernels(monkeypatch)
-    with fl.use_deterministic_attention(False):
-        check_parity(q, k, v, None, causal, backend="triton")
+    check_parity(q, k, v, None, causal, backend="triton")  # the default
     assert "_attn_bwd_dkdv_kernel" in names and "_attn_bwd_dq_kernel" not in names
     names.clear()
-    check_parity(q, k, v, None, causal, backend="triton")  # the default: dQ's own kernel
+    with fl.use_deterministic_attention(True):  # dQ's own kernel
+        check_parity(q, k, v, None, causal, backend="triton")
+    assert "_attn_bwd_dq_kernel" in names
+    names.clear()
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with fl.use_deterministic_attention(False):  # torch's switch wins
+            check_parity(q, k, v, None, causal, backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
     assert "_attn_bwd_dq_kernel" in names
 
 
@@ -1137,13 +1150,22 @@ def test_cuda_fp32():
 
 
 @pytest.mark.cuda
-def test_cuda_deterministic_backward_and_memory():
+@pytest.mark.parametrize("hopper_backward", [True, False], ids=["default-kernels", "triton-kernels"])
+def test_cuda_deterministic_backward_and_memory(hopper_backward, monkeypatch):
+    """Asked for, the backward is bitwise reproducible: on Hopper's kernels and on the Triton ones, whose default
+    adds dQ atomically here (D128 bf16)."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if not hopper_backward:
+        monkeypatch.setattr(hopper, "backward_enabled", False)
+        monkeypatch.setattr(hopper, "dq_enabled", False)
     B, H, L, D = 1, 8, 4096, 128
     q, k, v, _ = make_inputs(B, H, 2, L, L, D, D, torch.bfloat16, device="cuda")
     grad = torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda")
     f = lambda q_, k_, v_, m_: fl.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
-    _, g1 = run_with_grads(f, q, k, v, None, grad)
-    _, g2 = run_with_grads(f, q, k, v, None, grad)
+    with fl.use_deterministic_attention(True):
+        _, g1 = run_with_grads(f, q, k, v, None, grad)
+        _, g2 = run_with_grads(f, q, k, v, None, grad)
     for a, b in zip(g1, g2, strict=True):
         assert torch.equal(a, b)
     # O(L) memory: forward + backward allocate far less than one (L, S) fp32 matrix per head
@@ -1954,8 +1976,9 @@ ATOMIC_DQ_GPU_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ATOMIC_DQ_GPU_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
 def test_cuda_nondeterministic_backward(case, dtype, monkeypatch):
-    """dQ added by the dK/dV kernel (TMA bulk reductions on Hopper): within the same error rule as the default.
-    The Gluon backward (deterministic, and preferred where it applies) is switched off to reach this path."""
+    """dQ added by the dK/dV kernel (TMA bulk reductions on Hopper), the default: within the same error rule as the
+    deterministic kernels. The Gluon backward (deterministic, and preferred where it applies) is switched off to
+    reach this path."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
@@ -1964,8 +1987,7 @@ def test_cuda_nondeterministic_backward(case, dtype, monkeypatch):
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
     names = launched_kernels(monkeypatch)
-    with fl.use_deterministic_attention(False):
-        check_parity(q, k, v, None, causal)
+    check_parity(q, k, v, None, causal)  # the default mode
     assert "_attn_bwd_dkdv_kernel" in names and "_attn_bwd_dq_kernel" not in names
 
 

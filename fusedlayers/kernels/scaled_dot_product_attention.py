@@ -20,7 +20,9 @@ exponent's argument is formed before the change of base: as precise as torch's f
   * dK/dV: one program per (key block, b, h_kv); it loops over the query heads of its group and all query
     blocks, accumulating dK and dV in registers: GQA needs no expanded K/V and no atomics.
   * dQ: one program per (query block, b, h); it loops over the key blocks.
-  Each gradient is written once by one program, in a fixed order: no atomics, bitwise reproducible.
+  Each gradient is written once by one program, in a fixed order: no atomics, bitwise reproducible. Unless
+  determinism is asked for (``backend.deterministic_attention``), the dK/dV kernel instead adds dQ itself in fp32
+  where that measured faster (``_atomic_dq_pays``): five tile products per block pair instead of seven.
 - masks: ``attn_mask`` bool (True = keep) or additive float, read tile by tile through its strides (a
   broadcast dim has stride 0, so a (L, S) mask is never expanded in memory); causal is top-left
   (key j kept for query i when j <= i, as SDPA). A row that masks every key gets output 0 and
@@ -887,9 +889,9 @@ def _table_config(kind: str, device_type: str, dtype: torch.dtype, d: int, dv: i
 
 
 def _atomic_dq_pays(dtype: torch.dtype, bd: int, bdv: int, has_mask: bool, plain_causal_flops: int | None) -> bool:
-    """Whether the dK/dV kernel adds dQ atomically (``fl.use_deterministic_attention(False)``): only where that was
-    measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; not plain causal calls below
-    the Hopper kernels' MIN_FLOPS, where it was 0.95x; benchmarks/results/h*-scaled_dot_product_attention.md)."""
+    """Whether the dK/dV kernel adds dQ atomically (unless ``backend.deterministic_attention()``): only where that
+    was measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; not plain causal calls
+    below the Hopper kernels' MIN_FLOPS, where it was 0.95x; benchmarks/results/h*-scaled_dot_product_attention.md)."""
     small_causal = plain_causal_flops is not None and plain_causal_flops < hopper.MIN_FLOPS
     return (dtype != torch.float32 and bd == 128 and bdv <= 128 and not has_mask and not small_causal
             and not backend.deterministic_attention())
@@ -1050,8 +1052,8 @@ def attention_backward(
     sparse = tuple(window) != (-1, -1) or intervals is not None
     dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
     # which kernels run: the Hopper ones where they apply (deterministic, and faster there than the atomic dQ
-    # below), else the Triton dK/dV kernel, which also adds dQ atomically where fl.use_deterministic_attention(False)
-    # allows it and it measured faster
+    # below), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not asked for and
+    # that measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:

@@ -19,7 +19,7 @@ as one batch row of total_q queries and total_k keys, through strides, never cop
 reaches skipped; float64, or CPU tensors without the interpreter, run the blockwise PyTorch reference of
 ``ops/scaled_dot_product_attention.py`` with the same intervals, in batches of query chunks, each against the keys its
 rows' intervals span.
-Dropout, GQA, soft-capping, deterministic backward: as the dense op.
+Dropout, GQA, soft-capping, the backward's determinism: as the dense op.
 """
 
 from __future__ import annotations
