@@ -341,6 +341,8 @@ def table(best, out_path, quick, rounds):
         "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
         "torch.compile(flex_attention) (causal: a block mask built once per length, outside the timing). "
         "fl Triton: fl with its Hopper (Gluon) forward and dK/dV kernels switched off, the Triton kernels everywhere. "
+        f"Both with deterministic_attention() = {fl.backend.deterministic_attention()}: the Hopper "
+        "backward is deterministic either way; the Triton one adds dQ atomically at D128 unless asked to be. "
         "Peak MiB: memory allocated by one forward+backward beyond the inputs.\n\n"
     )
     if best:
