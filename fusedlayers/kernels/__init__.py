@@ -1,9 +1,16 @@
 """Triton kernels and their launchers, one module per op (no torch.library code here)."""
 
+import triton.language as tl
 from torch import Tensor
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from fusedlayers.backend import triton_interpreter_on
+
+# whether the kernels run in Triton's interpreter (no libdevice, no inline assembly): a constexpr global the @jit
+# functions read
+INTERPRETED = tl.constexpr(triton_interpreter_on())
 
 
 # Launch arithmetic in plain Python: triton.cdiv / triton.next_power_of_2 are constexpr functions in newer Triton,

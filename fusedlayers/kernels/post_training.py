@@ -25,9 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fusedlayers.kernels import launch, next_power_of_2
+from fusedlayers.kernels import INTERPRETED, launch, next_power_of_2
 from fusedlayers.kernels.cross_entropy import _transform_with_slope
-from fusedlayers.kernels.scaled_dot_product_attention import INTERPRETED
 
 BLOCK = 4096
 

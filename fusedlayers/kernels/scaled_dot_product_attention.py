@@ -41,7 +41,6 @@ exponent's argument is formed before the change of base: as precise as torch's f
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -50,12 +49,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedlayers import backend
+from fusedlayers.kernels import INTERPRETED, cdiv, launch, next_power_of_2
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
-from fusedlayers.kernels import cdiv, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 PHILOX_ROUNDS = tl.constexpr(7)  # a constexpr global: the @jit functions read it
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 class Config(NamedTuple):
