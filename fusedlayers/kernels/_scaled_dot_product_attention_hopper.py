@@ -47,7 +47,11 @@ from fusedlayers import backend
 from fusedlayers.kernels import cdiv, launch
 
 try:
+    import triton
+    import triton.language as tl
+    from triton._C.libtriton import ir
     from triton.experimental import gluon
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
@@ -968,6 +972,291 @@ if gluon is not None:
         dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
                    + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
+
+
+# ----------------------------------------------------------------------------- backward: one pass
+
+# FA3's Hopper backward: a program owns BLOCK_N = 128 keys (two consumer warpgroups of 64 keys, dK and dV in their
+# registers) and streams the query blocks of every query head sharing them, fed by a TMA producer warpgroup. A step
+# issues S^T = K Q^T and dP^T = V dO^T, forms P^T and dS^T, issues dV += P^T dO and dK += dS^T Q from registers (RS),
+# and dQ_part = dS K from shared memory (dS of both warpgroups: a barrier per step), which each warpgroup adds to an
+# fp32 dQ by a TMA bulk reduction, issued and not waited for. Five tile products a step against the two passes'
+# seven; the fp32 additions are unordered, so dQ is not bitwise repeatable (the two passes run in deterministic mode).
+# (BLOCK_N, BLOCK_M, split of dQ_part between the warpgroups: by head dims (True) or by queries) per head dim.
+_ONE_PASS_CONFIGS = {64: (128, 64, True), 128: (128, 64, True)}
+one_pass_enabled = True  # False: the two passes (A/B timing)
+
+
+def one_pass_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a backward that ``backward_passes`` admits for dense calls (no key intervals, no soft-cap) runs in
+    one pass: D 64 or 128, and bitwise repeatable gradients not asked for."""
+    return one_pass_enabled and q.shape[-1] in _ONE_PASS_CONFIGS and not backend.deterministic_attention()
+
+
+def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: float, scale: float,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with the forward's
+    ``out`` (for delta) instead of delta."""
+    B, H, L, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    block_n, block_m, split_cols = _ONE_PASS_CONFIGS[D]
+    # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole blocks (+inf and 0:
+    # P = 0 there), written by one pass over O and dO
+    l_pad = cdiv(L, block_m) * block_m
+    stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=q.device)
+    launch(_one_pass_stats, (l_pad // 64, B * H), out, grad_out, lse, stats, *out.stride(), *grad_out.stride(),
+           H, L, l_pad, B * H * l_pad, HEAD_DIM=D, BLOCK_M=64)
+    dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
+    dq_rows, dq_cols = (block_m, D // 2) if split_cols else (block_m // 2, D)
+    dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, dq_rows, dq_cols], _dq_layout(dq_rows, dq_cols))
+    stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout(block_m))
+    launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
+        dq_desc, stats_desc, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, B * H, qk_scale, scale,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, SPLIT_COLS=split_cols,
+        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), num_warps=4,
+    )
+    _dq_scale(dq32, dq, scale)
+
+
+def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
+    dq.copy_(dq32.view(dq.shape).mul_(scale))
+
+
+@functools.cache
+def _dq_layout(rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([1, rows, cols], gl.float32)
+
+
+@functools.cache
+def _stats_layout(block_m: int):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@functools.cache
+def _ds_layout(block_n: int, block_m: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl.bfloat16 if dtype == torch.bfloat16 else
+                                                gl.float16)
+
+
+if gluon is not None:
+
+    @triton.jit
+    def _one_pass_stats(Out, DO, Lse, Stats, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm,
+                        stride_gd, H, L, L_PAD, PLANE, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Stats[0, bh, i] = lse[bh, i] in base 2 and Stats[1, bh, i] = delta = sum_d dO * O, rows L..L_PAD: +inf, 0."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_d = tl.arange(0, HEAD_DIM)
+        rows = offs_m[:, None] < L
+        o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+                    + offs_d[None, :] * stride_od, mask=rows, other=0.0).to(tl.float32)
+        g = tl.load(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
+                    + offs_d[None, :] * stride_gd, mask=rows, other=0.0).to(tl.float32)
+        lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
+        row = bh.to(tl.int64) * L_PAD + offs_m
+        tl.store(Stats + row, lse * 1.4426950408889634)
+        tl.store(Stats + PLANE + row, tl.sum(o * g, 1))
+
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """dst[coord...] += src by the TMA (Triton 3.6 builds the op; Gluon has no Python name for it yet)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+    @gluon.jit
+    def _bwd_program(H, GROUP, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
+        block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
+        holding its first key on)."""
+        n0 = gl.program_id(0) * BLOCK_N
+        bhk = gl.program_id(1)
+        H_KV = H // GROUP
+        if CAUSAL:
+            m_start = (n0 // BLOCK_M) * BLOCK_M
+        else:
+            m_start = 0
+        n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
+        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
+
+    @gluon.jit
+    def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                      delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
+        refilled once both consumers released it."""
+        n0, b, hk, n_m, m_start, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
+        for i in range(total):
+            buf = i % STAGES
+            empty_phase = ((i // STAGES) & 1) ^ 1
+            h = hk * GROUP + i // n_m
+            m0 = m_start + (i % n_m) * BLOCK_M
+            mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
+            mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
+            tma.async_copy_global_to_shared(stats_desc, [b * H + h, m0], q_full.index(buf), lse_smem.index(buf))
+            mbarrier.wait(do_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
+            mbarrier.expect(do_full.index(buf), do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], do_full.index(buf), do_smem.index(buf))
+            tma.async_copy_global_to_shared(stats_desc, [BH + b * H + h, m0], do_full.index(buf),
+                                            delta_smem.index(buf))
+
+    @gluon.jit
+    def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, kv_bar,
+                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                      H, GROUP, L, S, qk_scale, scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part."""
+        dtype: gl.constexpr = q_smem.dtype
+        KEYS: gl.constexpr = 64
+        DQ_ROWS: gl.constexpr = BLOCK_M if SPLIT_COLS else BLOCK_M // 2
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_COLS else HEAD_DIM
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        n0, b, hk, n_m, m_start, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        keys0 = n0 + WG * KEYS
+        offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
+        k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        k_tile = k_all.slice(WG * KEYS, KEYS)
+        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
+        if SPLIT_COLS:
+            dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        else:
+            dq_b = k_all
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+        dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+        ragged = keys0 + KEYS > S
+        mbarrier.wait(kv_bar, phase=0)
+        for i in range(total):
+            buf = i % STAGES
+            phase = (i // STAGES) & 1
+            h = hk * GROUP + i // n_m
+            m0 = m_start + (i % n_m) * BLOCK_M
+            q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_full.index(buf), phase=phase)
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf), phase=phase)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:
+                if m0 < keys0 + KEYS:  # only the blocks that cross the diagonal pay for the mask
+                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+                    p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+            if ragged:  # keys past S (zeros in K and V): P = 0, whatever the row's logsumexp
+                p_t = gl.where(gl.expand_dims(offs_n < S, 1), p_t, 0.0)
+            delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
+            # warpgroup a step ahead never overwrites what the other's dQ_part still reads
+            ds_buf = ds_smem.index(i % 2)
+            ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(i % 2))
+            mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
+            if SPLIT_COLS:
+                dq_a = ds_buf.permute((1, 0))
+            else:
+                dq_a = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1).permute((1, 0))
+            dq = warpgroup_mma(dq_a, dq_b, dq_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+            mbarrier.arrive(do_empty.index(buf))
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+            tma.store_wait(0)  # the previous step's reduction has read dq_smem
+            gl.thread_barrier()
+            dq_smem.index(WG).reshape([DQ_ROWS, DQ_COLS]).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            if SPLIT_COLS:
+                _tma_reduce_add(dq_desc, [b * H + h, m0, WG * DQ_COLS], dq_smem.index(WG))
+            else:
+                _tma_reduce_add(dq_desc, [b * H + h, m0 + WG * DQ_ROWS, 0], dq_smem.index(WG))
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(buf))
+        tma.store_wait(0)
+
+        offs_na = keys0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        rows = gl.expand_dims(offs_na < S, 1)
+        dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+                   + gl.expand_dims(offs_na, 1) * stride_dkn + gl.expand_dims(offs_d, 0) * stride_dkd)
+        gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
+        dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
+                   + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
+
+    @gluon.jit
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                         H, GROUP, L, S, BH, qk_scale, scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                         SPLIT_COLS: gl.constexpr, DS_LAYOUT: gl.constexpr):
+        """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
+        consumer warpgroups with its registers."""
+        dtype: gl.constexpr = q_desc.dtype
+        STAGES: gl.constexpr = 2
+        k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(do_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(do_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH, BLOCK_M,
+                             BLOCK_N, CAUSAL, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                             SPLIT_COLS, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                             SPLIT_COLS, STAGES)),
+        ], [4, 4], [240, 240])
 
 
 # ----------------------------------------------------------------------------- backward: dQ
