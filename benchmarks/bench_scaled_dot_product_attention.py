@@ -47,7 +47,7 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048
 PEERS = ["flash", "cudnn", "efficient", "flex"]  # --no-flex drops FlexAttention (its compiles take minutes)
-OURS = ["fl", "fl-triton"]  # fl-triton: the Triton kernels everywhere (the Hopper ones off)
+OURS = ["fl", "fl-det", "fl-triton"]  # fl-det: deterministic mode; fl-triton: the Triton kernels everywhere
 COMPILE_LENGTH = 1024  # precompile on a small problem with the benchmark's specialization (L % 16 == 0)
 
 # Candidate configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, for --sweep.
@@ -119,6 +119,12 @@ def _flex(q, k, v, causal):
 def attention(name):
     if name in ("fl", "fl-triton"):  # fl-triton: measure() switches the Hopper kernels off, forward and backward
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+    if name == "fl-det":
+        def deterministic(q, k, v, c):
+            with fl.use_deterministic_attention(True):
+                return fl.scaled_dot_product_attention(q, k, v, is_causal=c)
+
+        return deterministic
     if name == "flex":
         return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -296,8 +302,9 @@ def table(best, out_path, quick, rounds):
     cudnn = {"fwd": [], "fwd+bwd": []}
     vs_triton = {"fwd": [], "fwd+bwd": []}
     memory = []
-    print("\n| D | L | causal | mode | fl | fl Triton | flash | cuDNN | efficient | Flex | fl/flash | fl/cuDNN | "
-          "fl/best peer | fl/fl Triton | peak MiB fl / flash |", flush=True)
+    det_cudnn = {"fwd": [], "fwd+bwd": []}
+    print("\n| D | L | causal | mode | fl | fl det | fl Triton | flash | cuDNN | efficient | Flex | fl/flash | "
+          "fl/cuDNN | fl det/cuDNN | fl/best peer | fl/fl Triton | peak MiB fl / flash |", flush=True)
     for b, h, length, d, causal in shapes(quick):
         for kind in ("fwd", "dkdv", "dq"):
             cfg = best.get((kind, d, causal)) if best else None
@@ -313,6 +320,7 @@ def table(best, out_path, quick, rounds):
             ratio_flash = f"{tf['fl'] / tf['flash']:.2f}" if tf["fl"] and tf["flash"] else "n/a"
             ratio_best = f"{tf['fl'] / best_peer:.2f}" if tf["fl"] and best_peer else "n/a"
             ratio_cudnn = f"{tf['fl'] / tf['cudnn']:.2f}" if tf["fl"] and tf["cudnn"] else "n/a"
+            ratio_det = f"{tf['fl-det'] / tf['cudnn']:.2f}" if tf["fl-det"] and tf["cudnn"] else "n/a"
             ratio_triton = f"{tf['fl'] / tf['fl-triton']:.2f}" if tf["fl"] and tf["fl-triton"] else "n/a"
             mem = ""
             if mode == "fwd+bwd":
@@ -320,14 +328,17 @@ def table(best, out_path, quick, rounds):
                 mfl = f"{res['flash'][2]:.0f}" if res["flash"] else "n/a"
                 mem = f"{mf} / {mfl}"
             row = (f"| {d} | {length} | {'yes' if causal else 'no'} | {mode} | {fmt(tf['fl'])} | "
-                   f"{fmt(tf['fl-triton'])} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | {fmt(tf['efficient'])} | "
-                   f"{fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_best} | {ratio_triton} | {mem} |")
+                   f"{fmt(tf['fl-det'])} | {fmt(tf['fl-triton'])} | {fmt(tf['flash'])} | {fmt(tf['cudnn'])} | "
+                   f"{fmt(tf['efficient'])} | {fmt(tf.get('flex'))} | {ratio_flash} | {ratio_cudnn} | {ratio_det} | "
+                   f"{ratio_best} | {ratio_triton} | {mem} |")
             rows.append(row)
             print(row, flush=True)
             if tf["fl"] and tf["flash"]:
                 ratios[mode].append((tf["fl"] / tf["flash"], d, length, causal))
             if tf["fl"] and tf["cudnn"]:
                 cudnn[mode].append((tf["fl"] / tf["cudnn"], d, length, causal))
+            if tf["fl-det"] and tf["cudnn"]:
+                det_cudnn[mode].append((tf["fl-det"] / tf["cudnn"], d, length, causal))
             if tf["fl"] and tf["fl-triton"]:
                 vs_triton[mode].append((tf["fl"] / tf["fl-triton"], d, length, causal))
             if mode == "fwd+bwd" and length == max(x[2] for x in shapes(quick)) and res["fl"] and res["flash"]:
@@ -340,16 +351,18 @@ def table(best, out_path, quick, rounds):
         "TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
         "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
         "torch.compile(flex_attention) (causal: a block mask built once per length, outside the timing). "
-        "fl Triton: fl with its Hopper (Gluon) forward and dK/dV kernels switched off, the Triton kernels everywhere. "
-        f"Both with deterministic_attention() = {fl.backend.deterministic_attention()}: the Hopper "
-        "backward is deterministic either way; the Triton one adds dQ atomically at D128 unless asked to be. "
+        "fl: the default mode (on Hopper, D64/D128: the one-pass backward, dQ added by unordered fp32 reductions); "
+        "fl det: fl inside fl.use_deterministic_attention(True) (the two passes, bitwise repeatable). "
+        "fl Triton: fl with its Hopper (Gluon) kernels switched off, the Triton kernels everywhere (default mode: "
+        "dQ added atomically at D128). "
         "Peak MiB: memory allocated by one forward+backward beyond the inputs.\n\n"
     )
     if best:
         header += "Block configs (BLOCK_M, BLOCK_N, warps, stages) from --sweep: " + ", ".join(
             f"{k[0]} D={k[1]} {'causal' if k[2] else 'full'}: {v}" for k, v in sorted(best.items())) + "\n\n"
-    lines = ["| D | L | causal | mode | fl TFLOP/s | fl Triton | flash | cuDNN | efficient | Flex | "
-             "fl/flash | fl/cuDNN | fl/best peer | fl/fl Triton | peak MiB fl / flash |", "|" + "---|" * 15, *rows]
+    lines = ["| D | L | causal | mode | fl TFLOP/s | fl det | fl Triton | flash | cuDNN | efficient | Flex | "
+             "fl/flash | fl/cuDNN | fl det/cuDNN | fl/best peer | fl/fl Triton | peak MiB fl / flash |",
+             "|" + "---|" * 17, *rows]
     summary = ["", "Summary (targets: forward >= 1.2x flash, forward+backward >= 1.0x, peak memory within 10% of "
                "flash at the longest L):", ""]
     for mode in ("fwd", "fwd+bwd"):
@@ -359,6 +372,9 @@ def table(best, out_path, quick, rounds):
         if cudnn[mode]:
             lo, hi = min(cudnn[mode]), max(cudnn[mode])
             summary.append(f"- {mode}: fl/cuDNN {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
+        if det_cudnn[mode]:
+            lo, hi = min(det_cudnn[mode]), max(det_cudnn[mode])
+            summary.append(f"- {mode}: fl det/cuDNN {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")
         if vs_triton[mode]:
             lo, hi = min(vs_triton[mode]), max(vs_triton[mode])
             summary.append(f"- {mode}: fl/fl Triton {lo[0]:.2f} (D={lo[1]} L={lo[2]} causal={lo[3]}) to {hi[0]:.2f}")

@@ -1735,6 +1735,44 @@ def test_cuda_hopper_forward(case, layout, monkeypatch):
     assert all(call[-3:] == (stages, persistent, consumers) for call in ws_calls)
 
 
+# the one-pass backward: ragged query and key blocks, GQA (dK/dV summed over a group's heads in one program), L < S
+# and L > S causal (key blocks no query reaches: zero dK/dV), a single step
+HOPPER_ONE_PASS_CASES = [
+    (2, 4, 4, 1000, 1000, 128, False),
+    (1, 8, 2, 777, 1300, 128, True),
+    (2, 3, 1, 1300, 515, 64, True),
+    (1, 4, 4, 300, 1100, 64, True),
+    (3, 4, 4, 130, 4100, 64, False),
+    (1, 2, 2, 64, 64, 128, False),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", HOPPER_ONE_PASS_CASES,
+                         ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_ONE_PASS_CASES])
+def test_cuda_hopper_one_pass_backward(case, monkeypatch):
+    """On Hopper the default (non-deterministic) backward of dense D64/D128 calls is one pass (dQ added by unordered
+    fp32 TMA reductions), the deterministic one the two passes: parity in both, and which kernels ran."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    calls = []
+    for name in ("attention_backward", "attention_backward_dkdv", "attention_backward_dq"):
+        kernel = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
+    B, H, H_kv, L, S, D, causal = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.bfloat16, device="cuda")
+    with fl.use_deterministic_attention(False):
+        check_parity(q, k, v, None, causal)
+    assert set(calls) == {"attention_backward"}
+    calls.clear()
+    with fl.use_deterministic_attention(True):
+        check_parity(q, k, v, None, causal)
+    assert set(calls) == {"attention_backward_dkdv", "attention_backward_dq"}
+
+
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
     """Which calls the warp-specialized Hopper forward takes (pure host logic, so this runs on the CPU): dense calls
     at D64/D128 with its per-shape config, not D64 with few keys; key intervals (windows, packed sequences) one

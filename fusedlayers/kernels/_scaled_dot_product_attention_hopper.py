@@ -51,8 +51,8 @@ try:
     import triton.language as tl
     from triton._C.libtriton import ir
     from triton.experimental import gluon
-    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -982,15 +982,17 @@ if gluon is not None:
 # and dQ_part = dS K from shared memory (dS of both warpgroups: a barrier per step), which each warpgroup adds to an
 # fp32 dQ by a TMA bulk reduction, issued and not waited for. Five tile products a step against the two passes'
 # seven; the fp32 additions are unordered, so dQ is not bitwise repeatable (the two passes run in deterministic mode).
-# (BLOCK_N, BLOCK_M, split of dQ_part between the warpgroups: by head dims (True) or by queries) per head dim.
-_ONE_PASS_CONFIGS = {64: (128, 64, True), 128: (128, 64, True)}
+# 128 keys x 64 queries a step at D 64 and 128, each warpgroup forming half of dQ_part's head dims (FA3's D64 128 x 128
+# steps, dQ_part split by queries, spilled 120-376 bytes of registers in this kernel).
+ONE_PASS_HEAD_DIMS = (64, 128)
+ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
 
 def one_pass_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a backward that ``backward_passes`` admits for dense calls (no key intervals, no soft-cap) runs in
     one pass: D 64 or 128, and bitwise repeatable gradients not asked for."""
-    return one_pass_enabled and q.shape[-1] in _ONE_PASS_CONFIGS and not backend.deterministic_attention()
+    return one_pass_enabled and q.shape[-1] in ONE_PASS_HEAD_DIMS and not backend.deterministic_attention()
 
 
 def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: float, scale: float,
@@ -999,7 +1001,7 @@ def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: f
     ``out`` (for delta) instead of delta."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    block_n, block_m, split_cols = _ONE_PASS_CONFIGS[D]
+    block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
     # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole blocks (+inf and 0:
     # P = 0 there), written by one pass over O and dO
     l_pad = cdiv(L, block_m) * block_m
@@ -1007,20 +1009,22 @@ def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: f
     launch(_one_pass_stats, (l_pad // 64, B * H), out, grad_out, lse, stats, *out.stride(), *grad_out.stride(),
            H, L, l_pad, B * H * l_pad, HEAD_DIM=D, BLOCK_M=64)
     dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
-    dq_rows, dq_cols = (block_m, D // 2) if split_cols else (block_m // 2, D)
-    dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, dq_rows, dq_cols], _dq_layout(dq_rows, dq_cols))
+    dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
     stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout(block_m))
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, B * H, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, SPLIT_COLS=split_cols,
-        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), num_warps=4,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
+        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=2,
+        num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
 
 
 def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
-    dq.copy_(dq32.view(dq.shape).mul_(scale))
+    """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums."""
+    B, H, L, D = dq.shape
+    launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, scale, HEAD_DIM=D, BLOCK_M=64)
 
 
 @functools.cache
@@ -1042,8 +1046,9 @@ def _ds_layout(block_n: int, block_m: int, dtype: torch.dtype):
 if gluon is not None:
 
     @triton.jit
-    def _one_pass_stats(Out, DO, Lse, Stats, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm,
-                        stride_gd, H, L, L_PAD, PLANE, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _one_pass_stats(Out, DO, Lse, Stats, stride_ob, stride_oh, stride_om, stride_od,
+                        stride_gb, stride_gh, stride_gm, stride_gd, H, L, L_PAD, PLANE,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
         """Stats[0, bh, i] = lse[bh, i] in base 2 and Stats[1, bh, i] = delta = sum_d dO * O, rows L..L_PAD: +inf, 0."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
@@ -1059,6 +1064,18 @@ if gluon is not None:
         row = bh.to(tl.int64) * L_PAD + offs_m
         tl.store(Stats + row, lse * 1.4426950408889634)
         tl.store(Stats + PLANE + row, tl.sum(o * g, 1))
+
+    @triton.jit
+    def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, scale, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        bh = tl.program_id(1)
+        offs_d = tl.arange(0, HEAD_DIM)
+        rows = offs_m[:, None] < L
+        dq = tl.load(DQ32 + (bh.to(tl.int64) * L + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows)
+        ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
+                + offs_d[None, :] * stride_d)
+        tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -1111,13 +1128,11 @@ if gluon is not None:
                       q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_COLS: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part."""
         dtype: gl.constexpr = q_smem.dtype
         KEYS: gl.constexpr = 64
-        DQ_ROWS: gl.constexpr = BLOCK_M if SPLIT_COLS else BLOCK_M // 2
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_COLS else HEAD_DIM
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1134,20 +1149,16 @@ if gluon is not None:
         k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
         k_tile = k_all.slice(WG * KEYS, KEYS)
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-        if SPLIT_COLS:
-            dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
-        else:
-            dq_b = k_all
+        dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-        dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         ragged = keys0 + KEYS > S
         mbarrier.wait(kv_bar, phase=0)
         for i in range(total):
             buf = i % STAGES
             phase = (i // STAGES) & 1
-            h = hk * GROUP + i // n_m
             m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
@@ -1157,13 +1168,7 @@ if gluon is not None:
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-            if CAUSAL:
-                if m0 < keys0 + KEYS:  # only the blocks that cross the diagonal pay for the mask
-                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-                    p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
-            if ragged:  # keys past S (zeros in K and V): P = 0, whatever the row's logsumexp
-                p_t = gl.where(gl.expand_dims(offs_n < S, 1), p_t, 0.0)
+            p_t = _bwd_probs(s_t, lse2, m0, keys0, offs_n, S, qk_scale, ragged, BLOCK_M, KEYS, CAUSAL, col_s)
             delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
             ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
@@ -1173,39 +1178,54 @@ if gluon is not None:
             ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
             fence_async_shared()
-            gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(i % 2))
             mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
-            if SPLIT_COLS:
-                dq_a = ds_buf.permute((1, 0))
-            else:
-                dq_a = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1).permute((1, 0))
-            dq = warpgroup_mma(dq_a, dq_b, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
             dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
             mbarrier.arrive(do_empty.index(buf))
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            tma.store_wait(0)  # the previous step's reduction has read dq_smem
-            gl.thread_barrier()
-            dq_smem.index(WG).reshape([DQ_ROWS, DQ_COLS]).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            if SPLIT_COLS:
-                _tma_reduce_add(dq_desc, [b * H + h, m0, WG * DQ_COLS], dq_smem.index(WG))
-            else:
-                _tma_reduce_add(dq_desc, [b * H + h, m0 + WG * DQ_ROWS, 0], dq_smem.index(WG))
+            _bwd_dq_add(dq, dq_smem, dq_desc, b * H + hk * GROUP + i // n_m, m0, WG, BLOCK_M, DQ_COLS)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
         tma.store_wait(0)
+        _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM, acc_layout)
 
-        offs_na = keys0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    @gluon.jit
+    def _bwd_probs(s_t, lse2, m0, keys0, offs_n, S, qk_scale, ragged, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   CAUSAL: gl.constexpr, col_s: gl.constexpr):
+        """P^T = exp2(S^T * qk_scale - lse), 0 where a query does not see a key (causal) and for keys past S."""
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if m0 < keys0 + KEYS:  # only the blocks that cross the diagonal pay for the mask
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+                p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+        if ragged:  # keys past S (zeros in K and V): P = 0, whatever the row's logsumexp
+            p_t = gl.where(gl.expand_dims(offs_n < S, 1), p_t, 0.0)
+        return p_t
+
+    @gluon.jit
+    def _bwd_dq_add(dq, dq_smem, dq_desc, bh, m0, WG: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+        """Adds this warpgroup's dQ_part to the fp32 dQ by a TMA reduction, not waited for."""
+        tma.store_wait(0)  # the previous reduction has read dq_smem
+        gl.thread_barrier()
+        dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [bh, m0, WG * DQ_COLS], dq_smem.index(WG))
+
+    @gluon.jit
+    def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        acc_layout: gl.constexpr):
+        offs_n = keys0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        rows = gl.expand_dims(offs_na < S, 1)
+        rows = gl.expand_dims(offs_n < S, 1)
         dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
-                   + gl.expand_dims(offs_na, 1) * stride_dkn + gl.expand_dims(offs_d, 0) * stride_dkd)
+                   + gl.expand_dims(offs_n, 1) * stride_dkn + gl.expand_dims(offs_d, 0) * stride_dkd)
         gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
         dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
-                   + gl.expand_dims(offs_na, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
+                   + gl.expand_dims(offs_n, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
 
     @gluon.jit
@@ -1214,11 +1234,10 @@ if gluon is not None:
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                          H, GROUP, L, S, BH, qk_scale, scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         SPLIT_COLS: gl.constexpr, DS_LAYOUT: gl.constexpr):
+                         DS_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
-        STAGES: gl.constexpr = 2
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -1250,12 +1269,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
                              stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                             SPLIT_COLS, STAGES)),
+                             STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
                              stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
                              stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                             SPLIT_COLS, STAGES)),
+                             STAGES)),
         ], [4, 4], [240, 240])
 
 
