@@ -1748,9 +1748,11 @@ HOPPER_ONE_PASS_CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("case", HOPPER_ONE_PASS_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_ONE_PASS_CASES])
-def test_cuda_hopper_one_pass_backward(case, monkeypatch):
+def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     """On Hopper the default (non-deterministic) backward of dense D64/D128 calls is one pass (dQ added by unordered
     fp32 TMA reductions), the deterministic one the two passes: parity in both, and which kernels ran."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
@@ -1763,7 +1765,9 @@ def test_cuda_hopper_one_pass_backward(case, monkeypatch):
         kernel = getattr(hopper, name)
         monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
     B, H, H_kv, L, S, D, causal = case
-    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.bfloat16, device="cuda")
+    q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
+    if layout == "bthd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     with fl.use_deterministic_attention(False):
         check_parity(q, k, v, None, causal)
     assert set(calls) == {"attention_backward"}
@@ -1845,12 +1849,45 @@ HOPPER_HOST_CASES = [
 HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ"}
 
 
+def _hopper_host_launches(K, monkeypatch_launches, exact_delta_too: bool):
+    """Runs each HOPPER_HOST_CASES forward and backward through the op's launchers, launches recorded."""
+    for D, L, causal, window, softcap in HOPPER_HOST_CASES:
+        q, k, v = (torch.zeros(1, 2, L, D, dtype=torch.bfloat16) for _ in range(3))
+        out, lse = K.attention_forward(q, k, v, None, None, causal, D**-0.5, window=window, softcap=softcap)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        K.attention_backward(out, q, k, v, out, lse, None, None, causal, D**-0.5, *grads, None, window=window,
+                             softcap=softcap)
+    if exact_delta_too:  # delta summed from P dP first (a Triton pass): the Gluon dQ pass then reads it
+        K.attention_backward(out, q, k, v, out, lse, None, None, False, 0.125, *grads, None, exact_delta=True)
+
+
+def _check_kernel_parameters(launches, hopper) -> dict:
+    """Each launch passes its kernel exactly its parameters; returns the constexpr values seen per kernel."""
+    meta_seen = {}
+    for kernel, args, meta in launches:
+        runtime = [p.name for p in kernel.params if not p.is_constexpr]
+        required = {p.name for p in kernel.params if p.is_constexpr and not p.has_default} - {"num_warps"}
+        assert len(args) == len(runtime), (kernel.__name__, len(args), runtime)
+        assert required <= set(meta) <= required | {"num_warps"}, (kernel.__name__, set(meta) ^ required)
+        for name, arg in zip(runtime, args, strict=True):
+            if name.endswith("_desc"):
+                assert isinstance(arg, hopper.TensorDescriptor), (kernel.__name__, name)
+            elif name in HOPPER_POINTERS:
+                assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
+            else:
+                assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
+        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "CAUSAL", "HEAD_DIM"):
+            if key in meta:
+                meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
+    return meta_seen
+
+
 def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     """CI has no Hopper GPU, so the Gluon kernels' host code runs here on CPU tensors with every launch recorded instead
     of run: through the op's launcher (kernels.attention_forward / attention_backward, the Hopper path forced on),
     each path (the one-warpgroup and warp-specialized forwards, persistent causal with its schedule, key intervals, the
-    soft-cap, dK/dV, dQ) passes each kernel exactly its parameters: the runtime ones by position (TMA descriptors,
-    tensors, numbers where the kernel takes them), every constexpr by name."""
+    soft-cap, dK/dV, dQ, the one-pass backward) passes each kernel exactly its parameters: the runtime ones by position
+    (TMA descriptors, tensors, numbers where the kernel takes them), every constexpr by name."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
@@ -1863,32 +1900,11 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     monkeypatch.setattr(hopper, "enabled", True)
     monkeypatch.setattr(hopper, "applies", lambda *args, **kwargs: True)
     monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
-    for D, L, causal, window, softcap in HOPPER_HOST_CASES:
-        q, k, v = (torch.zeros(1, 2, L, D, dtype=torch.bfloat16) for _ in range(3))
-        out, lse = K.attention_forward(q, k, v, None, None, causal, D**-0.5, window=window, softcap=softcap)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
-        K.attention_backward(out, q, k, v, out, lse, None, None, causal, D**-0.5, *grads, None, window=window,
-                             softcap=softcap)
-    # delta summed from P dP first (exact_delta, a Triton pass): the Gluon dQ pass then reads it, not forms it
-    K.attention_backward(out, q, k, v, out, lse, None, None, False, 0.125, *grads, None, exact_delta=True)
-    meta_seen = {}
+    with fl.use_deterministic_attention(True):  # the two passes
+        _hopper_host_launches(K, launches, exact_delta_too=True)
     gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
     assert len(gluon_launches) == 3 * len(HOPPER_HOST_CASES) + 2  # the Triton ones run in the interpreter's tests
-    for kernel, args, meta in gluon_launches:
-        runtime = [p.name for p in kernel.params if not p.is_constexpr]
-        required = {p.name for p in kernel.params if p.is_constexpr and not p.has_default} - {"num_warps"}
-        assert len(args) == len(runtime), (kernel.__name__, len(args), runtime)
-        assert required <= set(meta) <= required | {"num_warps"}, (kernel.__name__, set(meta) ^ required)
-        for name, arg in zip(runtime, args, strict=True):
-            if name.endswith("_desc"):
-                assert isinstance(arg, hopper.TensorDescriptor), (kernel.__name__, name)
-            elif name in HOPPER_POINTERS:
-                assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
-            else:
-                assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
-        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA"):
-            if key in meta:
-                meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
+    meta_seen = _check_kernel_parameters(gluon_launches, hopper)
     assert meta_seen[("_attn_fwd_ws", "SCHEDULE")] == {True, False}
     assert meta_seen[("_attn_fwd_ws", "CONSUMERS")] == {2, 3}
     assert meta_seen[("_attn_fwd_ws", "SOFTCAP")] == meta_seen[("_attn_fwd_ws", "INTERVALS")] == {True, False}
@@ -1897,12 +1913,25 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == {True, False}
     dq_first = [kernel.__name__ for kernel, _, _ in launches if "bwd" in kernel.__name__][:2]
     assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
+    # the default mode: the plain cases' backward in one pass (its stats and dQ kernels too), the others as above
+    launches.clear()
+    _hopper_host_launches(K, launches, exact_delta_too=False)
+    plain = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0]
+    names = [kernel.__name__ for kernel, _, _ in launches]
+    for name in ("_attn_bwd_hopper", "_one_pass_stats", "_one_pass_dq"):
+        assert names.count(name) == len(plain), name
+    assert names.count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) - len(plain)
+    gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
+    meta_seen = _check_kernel_parameters(gluon_launches, hopper)
+    assert meta_seen[("_attn_bwd_hopper", "CAUSAL")] == {True, False}
+    assert meta_seen[("_attn_bwd_hopper", "HEAD_DIM")] == {64, 128}
 
 
 def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
-    """The backward's launches on the Hopper path (recorded on CPU, as above) for each set of gradients asked for:
-    where the Gluon dQ pass runs it goes first and forms delta (no delta kernel); without dQ the delta kernel runs
-    before dK/dV; the Gluon dK/dV needs both dK and dV asked for (else the Triton kernel)."""
+    """The backward's launches on the Hopper path (recorded on CPU, as above) for each set of gradients asked for, in
+    deterministic mode: where the Gluon dQ pass runs it goes first and forms delta (no delta kernel); without dQ the
+    delta kernel runs before dK/dV; the Gluon dK/dV needs both dK and dV asked for (else the Triton kernel). In the
+    default mode all three run in one pass."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
@@ -1924,8 +1953,14 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
     for need, want in expected.items():
         launches.clear()
         grads = [torch.empty_like(t) if n else None for n, t in zip(need, (q, k, v), strict=True)]
-        K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
+        with fl.use_deterministic_attention(True):
+            K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
         assert launches == want, (need, launches)
+    # the default mode, all three gradients: one pass, after the pass that forms delta (and the base-2 logsumexp)
+    launches.clear()
+    K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *(torch.empty_like(t) for t in (q, k, v)),
+                         None)
+    assert launches == [("_one_pass_stats", None), ("_attn_bwd_hopper", None), ("_one_pass_dq", None)]
 
 
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
@@ -1945,8 +1980,8 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
 @pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
 def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
-    """On an H100/H200 the plain 16-bit backward runs the Gluon dQ and dK/dV kernels: parity of every gradient, and
-    no Triton backward kernel launched."""
+    """On an H100/H200 the plain 16-bit backward runs the Gluon dQ and dK/dV kernels in deterministic mode (D256 in
+    both modes): parity of every gradient, and no Triton backward kernel launched."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1962,7 +1997,8 @@ def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
         gluon_kernel = getattr(hopper, f"attention_backward_{kind}")
         monkeypatch.setattr(hopper, f"attention_backward_{kind}",
                             lambda *a, kind=kind, fn=gluon_kernel, **kw: (calls.append(kind), fn(*a, **kw)))
-    check_parity(q, k, v, None, causal)
+    with fl.use_deterministic_attention(True):
+        check_parity(q, k, v, None, causal)
     assert sorted(calls) == ["dkdv", "dq"]
     assert "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" not in names
 
