@@ -1760,6 +1760,7 @@ def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
     calls = []
     for name in ("attention_backward", "attention_backward_dkdv", "attention_backward_dq"):
         kernel = getattr(hopper, name)
@@ -1916,7 +1917,8 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     # the default mode: the plain cases' backward in one pass (its stats and dQ kernels too), the others as above
     launches.clear()
     _hopper_host_launches(K, launches, exact_delta_too=False)
-    plain = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0]
+    plain = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0
+             and (case[0] == 128 or case[1] >= hopper.ONE_PASS_D64_MIN_KEYS)]
     names = [kernel.__name__ for kernel, _, _ in launches]
     for name in ("_attn_bwd_hopper", "_one_pass_stats", "_one_pass_dq"):
         assert names.count(name) == len(plain), name
@@ -1957,6 +1959,7 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
             K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
         assert launches == want, (need, launches)
     # the default mode, all three gradients: one pass, after the pass that forms delta (and the base-2 logsumexp)
+    monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
     launches.clear()
     K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *(torch.empty_like(t) for t in (q, k, v)),
                          None)

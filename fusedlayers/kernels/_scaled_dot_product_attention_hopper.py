@@ -9,12 +9,14 @@ engine) into rings of shared memory, each buffer refilled as soon as the product
 warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
 the consumers of one program, which share every K/V tile a producer warpgroup loads, and get its registers;
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
-backward keeps the Triton kernels' split (deterministic, no atomics): a dK/dV program holds one key block and streams
+default backward of dense D128 calls (D64 from 4096 keys) is one pass with FA3's structure (``_attn_bwd_hopper``:
+dQ added by unordered fp32 TMA reductions). The deterministic one, and every other call's, keeps the Triton kernels'
+split (no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
 products' register operands; a dQ program holds one query block and streams the key blocks, and runs first: it
 forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added in fp32 by ordered TMA
-reductions, five products a tile instead of seven, was deterministic but 0.51-0.95x of this, inline, with a writer
-partition or pipelined: h100-attention-experiments.md, the 2026-11-26 runs at 8c0abe0, 9c94282 and 6608e51.)
+reductions was deterministic but 0.51-0.95x of this, inline, with a writer partition or pipelined:
+h100-attention-experiments.md, the 2026-11-26 runs at 8c0abe0, 9c94282 and 6608e51.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+backward 1.00-1.54x. Against cuDNN
@@ -989,10 +991,15 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
 
-def one_pass_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+ONE_PASS_D64_MIN_KEYS = 4096  # D64 with 2K keys: 0.95-1.00x the two passes (H200)
+
+
+def one_pass_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a backward that ``backward_passes`` admits for dense calls (no key intervals, no soft-cap) runs in
-    one pass: D 64 or 128, and bitwise repeatable gradients not asked for."""
-    return one_pass_enabled and q.shape[-1] in ONE_PASS_HEAD_DIMS and not backend.deterministic_attention()
+    one pass: D 128, or D 64 from ONE_PASS_D64_MIN_KEYS keys, and bitwise repeatable gradients not asked for."""
+    D = q.shape[-1]
+    return (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS)
+            and not backend.deterministic_attention())
 
 
 def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: float, scale: float,

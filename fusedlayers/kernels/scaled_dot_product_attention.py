@@ -1062,7 +1062,7 @@ def attention_backward(
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
         qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
     if (hopper_dkdv and hopper_dq and plain and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
-            and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None and hopper.one_pass_applies(q, v)):
+            and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None and hopper.one_pass_applies(q, k)):
         hopper.attention_backward(q, k, v, grad_out, out, lse, hopper_causal, qk_scale, scale, dq, dk, dv)
         return dq, dk, dv, ds
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
