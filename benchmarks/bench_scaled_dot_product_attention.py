@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -117,14 +118,8 @@ def _flex(q, k, v, causal):
 
 
 def attention(name):
-    if name in ("fl", "fl-triton"):  # fl-triton: measure() switches the Hopper kernels off, forward and backward
+    if name in ("fl", "fl-det", "fl-triton"):  # measure() sets fl-det's mode, turns fl-triton's Hopper kernels off
         return lambda q, k, v, c: fl.scaled_dot_product_attention(q, k, v, is_causal=c)
-    if name == "fl-det":
-        def deterministic(q, k, v, c):
-            with fl.use_deterministic_attention(True):
-                return fl.scaled_dot_product_attention(q, k, v, is_causal=c)
-
-        return deterministic
     if name == "flex":
         return _flex
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -144,7 +139,13 @@ def median_ms(fn, grad_to_none=None) -> float:
 
 
 def measure(name, b, h, length, d, causal):
-    """(forward ms, forward+backward ms, peak MiB of one forward+backward beyond its inputs)."""
+    """(forward ms, forward+backward ms, peak MiB of one forward+backward beyond its inputs); fl-det's backward in
+    deterministic mode too (the mode is read when the backward runs)."""
+    with fl.use_deterministic_attention(True) if name == "fl-det" else contextlib.nullcontext():
+        return _measure(name, b, h, length, d, causal)
+
+
+def _measure(name, b, h, length, d, causal):
     f = attention(name)
     hopper.enabled = name != "fl-triton"
     try:
