@@ -988,10 +988,8 @@ if gluon is not None:
 # steps, dQ_part split by queries, spilled 120-376 bytes of registers in this kernel).
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
-one_pass_enabled = True  # False: the two passes (A/B timing)
-
-
 ONE_PASS_D64_MIN_KEYS = 4096  # D64 with 2K keys: 0.95-1.00x the two passes (H200)
+one_pass_enabled = True  # False: the two passes (A/B timing)
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -1017,13 +1015,12 @@ def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: f
            H, L, l_pad, B * H * l_pad, HEAD_DIM=D, BLOCK_M=64)
     dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
     dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
-    stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout(block_m))
+    stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, B * H, qk_scale, scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
-        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=2,
-        num_warps=4,
+        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=2, num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
 
@@ -1040,7 +1037,7 @@ def _dq_layout(rows: int, cols: int):
 
 
 @functools.cache
-def _stats_layout(block_m: int):
+def _stats_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
@@ -1075,6 +1072,7 @@ if gluon is not None:
     @triton.jit
     def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, scale, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr):
+        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
         offs_d = tl.arange(0, HEAD_DIM)
