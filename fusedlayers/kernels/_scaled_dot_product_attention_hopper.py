@@ -1198,107 +1198,6 @@ if gluon is not None:
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
 
     @gluon.jit
-    def _bwd_consumer_two_steps(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                                stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                                H, GROUP, L, S, qk_scale, scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                                STAGES: gl.constexpr):
-        """As ``_bwd_consumer``, two steps (a, b) an iteration: b's S^T and dP^T are issued behind a's dV, so that b's
-        P forms while dP_b, dQ_a and dK_a run. Every product is waited for before the loop's
-        back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas serialize every
-        wgmma). An odd last step b runs on a's buffers with P and dS zeroed, its dQ_part not added."""
-        dtype: gl.constexpr = q_smem.dtype
-        KEYS: gl.constexpr = 64
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-        n0, b, hk, n_m, m_start, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
-        keys0 = n0 + WG * KEYS
-        offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
-        k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
-        k_tile = k_all.slice(WG * KEYS, KEYS)
-        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-        dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-        ragged = keys0 + KEYS > S
-        mbarrier.wait(kv_bar, phase=0)
-        for j in range(gl.cdiv(total, 2)):
-            ia = 2 * j
-            ib = ia + 1
-            valid_b = ib < total
-            buf_a = ia % STAGES
-            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-            m0_a = m_start + (ia % n_m) * BLOCK_M
-            m0_b = m_start + (ib % n_m) * BLOCK_M
-            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            # step a: S, dP, P, dS
-            mbarrier.wait(q_full.index(buf_a), phase=(ia // STAGES) & 1)
-            s_t = warpgroup_mma(k_tile, q_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_a), phase=(ia // STAGES) & 1)
-            dp_t = warpgroup_mma(v_tile, do_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse2 = lse_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            p_a = _bwd_probs(s_t, lse2, m0_a, keys0, offs_n, S, qk_scale, ragged, BLOCK_M, KEYS, CAUSAL, col_s)
-            delta = delta_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-            ds_a = (p_a * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(0))
-            # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
-            dv = warpgroup_mma(gl.convert_layout(p_a.to(dtype), a_layout), do_a, dv, is_async=True)
-            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
-            s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
-            dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(ds_ready.index(0), phase=j & 1)
-            dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
-            lse2 = lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
-            dv, s_t = warpgroup_mma_wait(num_outstanding=3, deps=(dv, s_t))
-            mbarrier.arrive(do_empty.index(buf_a))
-            p_b = _bwd_probs(s_t, lse2, m0_b, keys0, offs_n, S, qk_scale, ragged, BLOCK_M, KEYS, CAUSAL, col_s)
-            p_b = gl.where(valid_b, p_b, 0.0)
-            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
-            ds_b = (p_b * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            ds_smem.index(1).slice(WG * KEYS, KEYS).store(ds_b)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(1))
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, b * H + hk * GROUP + ia // n_m, m0_a, WG, BLOCK_M, DQ_COLS)
-            # b's dV, dQ_part and dK
-            dv = warpgroup_mma(gl.convert_layout(p_b.to(dtype), a_layout), do_b, dv, is_async=True)
-            mbarrier.wait(ds_ready.index(1), phase=j & 1)
-            dq = warpgroup_mma(ds_smem.index(1).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
-            dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
-            mbarrier.arrive(q_empty.index(buf_a))
-            mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
-            mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
-            if valid_b:
-                _bwd_dq_add(dq, dq_smem, dq_desc, b * H + hk * GROUP + ib // n_m, m0_b, WG, BLOCK_M, DQ_COLS)
-        tma.store_wait(0)
-        _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-
-    @gluon.jit
     def _bwd_probs(s_t, lse2, m0, keys0, offs_n, S, qk_scale, ragged, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    CAUSAL: gl.constexpr, col_s: gl.constexpr):
         """P^T = exp2(S^T * qk_scale - lse), 0 where a query does not see a key (causal) and for keys past S."""
@@ -1343,7 +1242,7 @@ if gluon is not None:
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                          H, GROUP, L, S, BH, qk_scale, scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         DS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, TWO_STEPS: gl.constexpr = False):
+                         DS_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1370,38 +1269,21 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
         fence_async_shared()
-        if TWO_STEPS:
-            gl.warp_specialize([
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-                                 lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH,
-                                 BLOCK_M, BLOCK_N, CAUSAL, STAGES)),
-                (_bwd_consumer_two_steps, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                 dq_desc, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                                 stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                                 STAGES)),
-                (_bwd_consumer_two_steps, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                 dq_desc, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                                 stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                                 STAGES)),
-            ], [4, 4], [240, 240])
-        else:
-            gl.warp_specialize([
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-                                 lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH,
-                                 BLOCK_M, BLOCK_N, CAUSAL, STAGES)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                                 stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                                 STAGES)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                                 stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                                 STAGES)),
-            ], [4, 4], [240, 240])
+        gl.warp_specialize([
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH, BLOCK_M,
+                             BLOCK_N, CAUSAL, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                             STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
+                             STAGES)),
+        ], [4, 4], [240, 240])
 
 
 # ----------------------------------------------------------------------------- backward: dQ
