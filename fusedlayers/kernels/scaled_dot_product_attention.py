@@ -1049,9 +1049,9 @@ def attention_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
     sparse = tuple(window) != (-1, -1) or intervals is not None
     dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
-    # which kernels run: the Hopper ones where they apply (deterministic, and faster there than the atomic dQ
-    # below), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not asked for and
-    # that measured faster
+    # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums for dense calls where
+    # determinism is not asked for and it measured faster, else the two deterministic passes), else the Triton dK/dV
+    # kernel, which also adds dQ atomically where determinism is not asked for and that measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
