@@ -1033,22 +1033,7 @@ def attention_backward(
         ds.zero_()
     if L == 0 or S == 0 or B * H == 0:  # nothing attends: zero gradients
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
-    bd, bdv = _head_block(D), _head_block(DV)
     lse = lse.contiguous()
-    delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
-    mask_t, ms, mask_bool = _mask_args(mask, q)
-    seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
-    common = dict(
-        IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
-        EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
-        WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0, INTERVALS=intervals is not None,
-    )
-    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (delta,) * 4
-    scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
-               *_window_softcap_args(q.dtype, scale, window, softcap))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
-    sparse = tuple(window) != (-1, -1) or intervals is not None
-    dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
     # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums for dense calls where
     # determinism is not asked for and it measured faster, else the two deterministic passes), else the Triton dK/dV
     # kernel, which also adds dQ atomically where determinism is not asked for and that measured faster
@@ -1065,6 +1050,21 @@ def attention_backward(
             and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None and hopper.one_pass_applies(q, k)):
         hopper.attention_backward(q, k, v, grad_out, out, lse, hopper_causal, qk_scale, scale, dq, dk, dv)
         return dq, dk, dv, ds
+    bd, bdv = _head_block(D), _head_block(DV)
+    delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
+    mask_t, ms, mask_bool = _mask_args(mask, q)
+    seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
+    common = dict(
+        IS_CAUSAL=is_causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, DROPOUT=dropout is not None,
+        EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
+        WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0, INTERVALS=intervals is not None,
+    )
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (delta,) * 4
+    scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
+               *_window_softcap_args(q.dtype, scale, window, softcap))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
+    sparse = tuple(window) != (-1, -1) or intervals is not None
+    dq_cfg = kernel_config("dq", dev, q.dtype, D, DV, is_causal, mask is not None, sparse)
     gluon_dkdv = need_dk and need_dv and BWD_DKDV_CONFIG is None and hopper_dkdv
     atomic_dq = (not gluon_dkdv and need_dq and (need_dk or need_dv)
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
