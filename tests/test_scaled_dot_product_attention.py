@@ -1551,10 +1551,11 @@ HOPPER_WINDOW_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_WINDOW_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}w{c[8][0]},{c[8][1]}")
 def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
-    """On Hopper a window runs the Gluon kernels (as key intervals), forward (either one), dK/dV and dQ."""
+    """On Hopper a window runs the Gluon kernels (as key intervals), forward (either one) and backward (one pass, or
+    dK/dV and dQ in deterministic mode)."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
-    check_window_softcap(case, dtype, device="cuda")
-    assert set(calls) == gluon_kernels_on_intervals(ws)
+    check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
+                              gluon_forward_kernels(ws), case[5], case[9] > 0)
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
@@ -1573,11 +1574,11 @@ HOPPER_SOFTCAP_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_SOFTCAP_CASES, ids=lambda c: f"L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}cap{c[9]}")
 def test_cuda_hopper_softcap(case, dtype, monkeypatch):
-    """On Hopper a soft-capped call runs the Gluon kernels (the cap's tanh in each): the forward, dQ and dK/dV;
-    parity of the output and every gradient."""
+    """On Hopper a soft-capped call runs the Gluon kernels (the cap's tanh in each): the forward and the backward (one
+    pass, or dQ and dK/dV in deterministic mode); parity of the output and every gradient."""
     calls = gluon_kernel_calls(monkeypatch)
-    check_window_softcap(case, dtype, device="cuda")
-    assert set(calls) == set(GLUON_KERNELS)
+    check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
+                              gluon_forward_kernels(False), case[5], case[9] > 0)
 
 
 # D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window) and backward
@@ -1603,18 +1604,19 @@ def test_cuda_hopper_d256(case, dtype, ws, monkeypatch):
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     """The Hopper (Gluon) kernels called from now on, by launcher name (the warp-specialized forward's as well), with
-    MIN_FLOPS off (test shapes are small) and key intervals on the warp-specialized forward or not (whatever their
-    width); skips the test on other GPUs."""
+    MIN_FLOPS and the one-pass backward's D64 floor off (test shapes are small) and key intervals on the
+    warp-specialized forward or not (whatever their width); skips the test on other GPUs."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
     min_keys = 0 if ws_on_intervals else float("inf")
     monkeypatch.setattr(hopper, "_WS_INTERVAL_CONFIGS",
                         {d: (*config[:3], min_keys) for d, config in hopper._WS_INTERVAL_CONFIGS.items()})
     calls = []
-    for name in GLUON_KERNELS:
+    for name in (*GLUON_KERNELS, "attention_backward"):
         kernel = getattr(hopper, name)
         monkeypatch.setattr(hopper, name, lambda *a, name=name, fn=kernel, **kw: (calls.append(name), fn(*a, **kw)))
     ws = hopper._forward_warp_specialized
@@ -1628,10 +1630,27 @@ def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     return calls
 
 
-def gluon_kernels_on_intervals(ws: bool) -> set[str]:
-    """The Gluon launchers a call on key intervals (window, packed sequences) runs, its forward warp-specialized or
-    not."""
-    return set(GLUON_KERNELS) | ({"_forward_warp_specialized"} if ws else set())
+def gluon_forward_kernels(ws_on_intervals: bool) -> set[str]:
+    """The Gluon forward launchers a call runs, the warp-specialized one too where it takes key intervals."""
+    return {"attention_forward"} | ({"_forward_warp_specialized"} if ws_on_intervals else set())
+
+
+def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool) -> set[str]:
+    """The Gluon backward launchers a call runs: one pass at head dims 64 and 128 (not soft-capped at 128) unless
+    bitwise repeatable gradients are asked for, else dK/dV and dQ."""
+    if not deterministic and (D == 64 or (D == 128 and not softcap)):
+        return {"attention_backward"}
+    return {"attention_backward_dkdv", "attention_backward_dq"}
+
+
+def check_gluon_in_both_modes(check, calls: list[str], forward: set[str], D: int, softcap: bool) -> None:
+    """``check`` (a parity check) in the default mode, then in the deterministic one: each ran the forward launchers
+    ``forward`` and the backward ones of its mode (``gluon_backward_kernels``)."""
+    for deterministic in (False, True):
+        calls.clear()
+        with fl.use_deterministic_attention(deterministic):
+            check()
+        assert set(calls) == forward | gluon_backward_kernels(D, deterministic, softcap), deterministic
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),
@@ -1887,8 +1906,9 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     """CI has no Hopper GPU, so the Gluon kernels' host code runs here on CPU tensors with every launch recorded instead
     of run: through the op's launcher (kernels.attention_forward / attention_backward, the Hopper path forced on),
     each path (the one-warpgroup and warp-specialized forwards, persistent causal with its schedule, key intervals, the
-    soft-cap, dK/dV, dQ, the one-pass backward) passes each kernel exactly its parameters: the runtime ones by position
-    (TMA descriptors, tensors, numbers where the kernel takes them), every constexpr by name."""
+    soft-cap, dK/dV, dQ, the one-pass backward with each of these) passes each kernel exactly its parameters: the
+    runtime ones by position (TMA descriptors, tensors, numbers where the kernel takes them), every constexpr by
+    name."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
@@ -1914,19 +1934,21 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == {True, False}
     dq_first = [kernel.__name__ for kernel, _, _ in launches if "bwd" in kernel.__name__][:2]
     assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
-    # the default mode: the plain cases' backward in one pass (its stats and dQ kernels too), the others as above
+    # the default mode: the backward in one pass at D128 and at D64 from its key floor (its stats and dQ kernels
+    # too), the others as above
     launches.clear()
     _hopper_host_launches(K, launches, exact_delta_too=False)
-    plain = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0
-             and (case[0] == 128 or case[1] >= hopper.ONE_PASS_D64_MIN_KEYS)]
+    one_pass = [case for case in HOPPER_HOST_CASES
+                if (case[0] == 128 and case[4] == 0.0) or (case[0] == 64 and case[1] >= hopper.ONE_PASS_D64_MIN_KEYS)]
     names = [kernel.__name__ for kernel, _, _ in launches]
     for name in ("_attn_bwd_hopper", "_one_pass_stats", "_one_pass_dq"):
-        assert names.count(name) == len(plain), name
-    assert names.count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) - len(plain)
+        assert names.count(name) == len(one_pass), name
+    assert names.count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) - len(one_pass)
     gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
     meta_seen = _check_kernel_parameters(gluon_launches, hopper)
     assert meta_seen[("_attn_bwd_hopper", "CAUSAL")] == {True, False}
     assert meta_seen[("_attn_bwd_hopper", "HEAD_DIM")] == {64, 128}
+    assert meta_seen[("_attn_bwd_hopper", "SOFTCAP")] == meta_seen[("_attn_bwd_hopper", "INTERVALS")] == {True, False}
 
 
 def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):

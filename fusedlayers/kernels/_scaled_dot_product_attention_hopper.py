@@ -9,9 +9,9 @@ engine) into rings of shared memory, each buffer refilled as soon as the product
 warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
 the consumers of one program, which share every K/V tile a producer warpgroup loads, and get its registers;
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
-default backward of dense D128 calls (D64 from 4096 keys) is one pass with FA3's structure (``_attn_bwd_hopper``:
-dQ added by unordered fp32 TMA reductions). The deterministic one, and every other call's, keeps the Triton kernels'
-split (no atomics): a dK/dV program holds one key block and streams
+default backward at D128 (not soft-capped) and at D64 from 4096 keys, dense or on key intervals, is one pass with
+FA3's structure (``_attn_bwd_hopper``: dQ added by unordered fp32 TMA reductions). The deterministic one, and every
+other call's, keeps the Triton kernels' split (no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
 products' register operands; a dQ program holds one query block and streams the key blocks, and runs first: it
 forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added in fp32 by ordered TMA
@@ -985,23 +985,27 @@ if gluon is not None:
 # fp32 dQ by a TMA bulk reduction, issued and not waited for. Five tile products a step against the two passes'
 # seven; the fp32 additions are unordered, so dQ is not bitwise repeatable (the two passes run in deterministic mode).
 # 128 keys x 64 queries a step at D 64 and 128, each warpgroup forming half of dQ_part's head dims (FA3's D64 128 x 128
-# steps, dQ_part split by queries, spilled 120-376 bytes of registers in this kernel).
+# steps, dQ_part split by queries, spilled 120-376 bytes of registers in this kernel). Key intervals (windows, packed
+# sequences) and the soft-cap as in the dK/dV pass: a program walks the query blocks its keys' intervals reach, and
+# masks only the steps outside the rows all its keys are seen by.
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 ONE_PASS_D64_MIN_KEYS = 4096  # D64 with 2K keys: 0.95-1.00x the two passes (H200)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
 
-def one_pass_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a backward that ``backward_passes`` admits for dense calls (no key intervals, no soft-cap) runs in
-    one pass: D 128, or D 64 from ONE_PASS_D64_MIN_KEYS keys, and bitwise repeatable gradients not asked for."""
+def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
+    """Whether a backward that ``backward_passes`` admits runs in one pass: D 128 (not soft-capped: the cap's tanh
+    tile spills registers there, 0.95x the two passes on an H200), or D 64 from ONE_PASS_D64_MIN_KEYS keys, and
+    bitwise repeatable gradients not asked for."""
     D = q.shape[-1]
-    return (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS)
-            and not backend.deterministic_attention())
+    return (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D == 64 or not softcap)
+            and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
 def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: float, scale: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                       intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with the forward's
     ``out`` (for delta) instead of delta."""
     B, H, L, D = q.shape
@@ -1016,11 +1020,13 @@ def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: f
     dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
     dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
     stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        dq_desc, stats_desc, dk, dv, *dk.stride(), *dv.stride(), H, H // H_kv, L, S, B * H, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
-        DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=2, num_warps=4,
+        dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
+        B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
+        INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
+        STAGES=2, num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
 
@@ -1089,27 +1095,34 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(H, GROUP, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
         """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
         block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
-        holding its first key on)."""
+        holding its first key on; INTERVALS: the blocks its keys' query intervals reach)."""
         n0 = gl.program_id(0) * BLOCK_N
         bhk = gl.program_id(1)
         H_KV = H // GROUP
-        if CAUSAL:
-            m_start = (n0 // BLOCK_M) * BLOCK_M
+        if INTERVALS:
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+            _, _, m_start, n_m, _, _ = _block_intervals(ColLo, ColHi, offs_n, S, L, BLOCK_M)
         else:
-            m_start = 0
-        n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
+            if CAUSAL:
+                m_start = (n0 // BLOCK_M) * BLOCK_M
+            else:
+                m_start = 0
+            n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
         return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                      delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                      delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      STAGES: gl.constexpr):
         """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
         refilled once both consumers released it."""
-        n0, b, hk, n_m, m_start, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
@@ -1130,11 +1143,13 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, kv_bar,
-                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
+                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                      H, GROUP, L, S, qk_scale, scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part."""
+                      H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part.
+        SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
         dtype: gl.constexpr = q_smem.dtype
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
@@ -1148,9 +1163,14 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total = _bwd_program(H, GROUP, L, BLOCK_M, BLOCK_N, CAUSAL)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
+        if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
+            _, _, _, _, seen_lo, seen_hi = _block_intervals(ColLo, ColHi, offs_n, S, L, BLOCK_M)
+        else:
+            seen_lo, seen_hi = 0, 0
         k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
         k_tile = k_all.slice(WG * KEYS, KEYS)
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
@@ -1173,15 +1193,24 @@ if gluon is not None:
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            p_t = _bwd_probs(s_t, lse2, m0, keys0, offs_n, S, qk_scale, ragged, BLOCK_M, KEYS, CAUSAL, col_s)
+            if SOFTCAP:
+                s_t = _tanh(s_t * cap_scale)
+            p_t = _bwd_probs(s_t, lse2, m0, keys0, offs_n, RowLo, RowHi, L, S, seen_lo, seen_hi, qk_scale, ragged,
+                             BLOCK_M, KEYS, CAUSAL, INTERVALS, col_s)
+            if SOFTCAP:  # dS^T = P^T (dP^T - delta) through the cap to the raw score
+                p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+                p_ds = p_t * (1.0 - s_t * s_t)
+            else:
+                p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+                p_ds = p_t
             delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            ds_t = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
             # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
             # warpgroup a step ahead never overwrites what the other's dQ_part still reads
             ds_buf = ds_smem.index(i % 2)
             ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
+            dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(i % 2))
             mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
@@ -1198,14 +1227,23 @@ if gluon is not None:
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
 
     @gluon.jit
-    def _bwd_probs(s_t, lse2, m0, keys0, offs_n, S, qk_scale, ragged, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-                   CAUSAL: gl.constexpr, col_s: gl.constexpr):
-        """P^T = exp2(S^T * qk_scale - lse), 0 where a query does not see a key (causal) and for keys past S."""
+    def _bwd_probs(s_t, lse2, m0, keys0, offs_n, RowLo, RowHi, L, S, seen_lo, seen_hi, qk_scale, ragged,
+                   BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                   col_s: gl.constexpr):
+        """P^T = exp2(S^T * qk_scale - lse), 0 where a query does not see a key (causal; INTERVALS: query i keeps
+        keys [row_lo[i], row_hi[i]]) and for keys past S."""
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         if CAUSAL:
             if m0 < keys0 + KEYS:  # only the blocks that cross the diagonal pay for the mask
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
                 p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+        if INTERVALS:
+            if m0 < seen_lo or m0 + BLOCK_M - 1 > seen_hi:
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+                row_lo = gl.load(RowLo + offs_m, mask=offs_m < L, other=S)
+                p_t = gl.where(gl.expand_dims(offs_n, 1) >= gl.expand_dims(row_lo, 0), p_t, 0.0)
+                row_hi = gl.load(RowHi + offs_m, mask=offs_m < L, other=-1)
+                p_t = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(row_hi, 0), p_t, 0.0)
         if ragged:  # keys past S (zeros in K and V): P = 0, whatever the row's logsumexp
             p_t = gl.where(gl.expand_dims(offs_n < S, 1), p_t, 0.0)
         return p_t
@@ -1237,12 +1275,13 @@ if gluon is not None:
         gl.store(dv_ptrs, gl.convert_layout(dv.to(DV.dtype.element_ty), layout), mask=rows)
 
     @gluon.jit
-    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV, RowLo, RowHi, ColLo, ColHi,
                          stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, qk_scale, scale,
+                         H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         DS_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+                         INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
+                         STAGES: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1271,18 +1310,18 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, H, GROUP, L, BH, BLOCK_M,
-                             BLOCK_N, CAUSAL, STAGES)),
+                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
+                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                             STAGES)),
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                             stride_dvd, H, GROUP, L, S, qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL,
-                             STAGES)),
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES)),
         ], [4, 4], [240, 240])
 
 

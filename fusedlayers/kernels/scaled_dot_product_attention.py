@@ -1034,8 +1034,8 @@ def attention_backward(
     if L == 0 or S == 0 or B * H == 0:  # nothing attends: zero gradients
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
     lse = lse.contiguous()
-    # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums for dense calls where
-    # determinism is not asked for and it measured faster, else the two deterministic passes), else the Triton dK/dV
+    # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums where determinism is not
+    # asked for and it measured faster, else the two deterministic passes), else the Triton dK/dV
     # kernel, which also adds dQ atomically where determinism is not asked for and that measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
@@ -1046,9 +1046,11 @@ def attention_backward(
     if hopper_dkdv or hopper_dq:
         hopper_causal, hopper_intervals = _hopper_masks(L, S, is_causal, window, intervals, dev)
         qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
-    if (hopper_dkdv and hopper_dq and plain and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
-            and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None and hopper.one_pass_applies(q, k)):
-        hopper.attention_backward(q, k, v, grad_out, out, lse, hopper_causal, qk_scale, scale, dq, dk, dv)
+    if (hopper_dkdv and hopper_dq and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
+            and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
+            and hopper.one_pass_applies(q, k, softcap > 0.0)):
+        hopper.attention_backward(q, k, v, grad_out, out, lse, hopper_causal, qk_scale, scale, dq, dk, dv,
+                                  hopper_intervals, cap_scale)
         return dq, dk, dv, ds
     bd, bdv = _head_block(D), _head_block(DV)
     delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
