@@ -990,6 +990,11 @@ if gluon is not None:
 # masks only the steps outside the rows all its keys are seen by.
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
+# Dense D64: two steps an iteration, the second's S^T and dP^T issued behind the first's dV (``_bwd_step_pairs``),
+# with 4-deep Q/dO rings: forward+backward 0.995-1.04x one step an iteration (H200, L 2K-16K, two runs of 3 rounds).
+# On key intervals or soft-capped 0.86-0.97x (their masks and tanh spill registers there); D128's registers do not
+# hold a second step's tiles (ptxas serializes every wgmma).
+ONE_PASS_STEP_PAIRS = (64,)
 ONE_PASS_D64_MIN_KEYS = 4096  # D64 with 2K keys: 0.95-1.00x the two passes (H200)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
@@ -1021,12 +1026,13 @@ def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: f
     dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
     stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
+    pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=2, num_warps=4,
+        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
 
@@ -1147,10 +1153,10 @@ if gluon is not None:
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
-        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part.
-        SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
-        dtype: gl.constexpr = q_smem.dtype
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part, a
+        step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
+        1 - tanh^2."""
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1179,8 +1185,31 @@ if gluon is not None:
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-        ragged = keys0 + KEYS > S
+        masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
         mbarrier.wait(kv_bar, phase=0)
+        if STEP_PAIRS:
+            dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
+                                     q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale,
+                                     WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
+        else:
+            dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
+                                do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
+                                b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
+        tma.store_wait(0)
+        _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
+
+    @gluon.jit
+    def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
+                   do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
+                   qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
+        dtype: gl.constexpr = q_smem.dtype
+        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
             buf = i % STAGES
             phase = (i // STAGES) & 1
@@ -1193,16 +1222,8 @@ if gluon is not None:
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            if SOFTCAP:
-                s_t = _tanh(s_t * cap_scale)
-            p_t = _bwd_probs(s_t, lse2, m0, keys0, offs_n, RowLo, RowHi, L, S, seen_lo, seen_hi, qk_scale, ragged,
-                             BLOCK_M, KEYS, CAUSAL, INTERVALS, col_s)
-            if SOFTCAP:  # dS^T = P^T (dP^T - delta) through the cap to the raw score
-                p_a = gl.convert_layout(p_t.to(dtype), a_layout)
-                p_ds = p_t * (1.0 - s_t * s_t)
-            else:
-                p_a = gl.convert_layout(p_t.to(dtype), a_layout)
-                p_ds = p_t
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                   SOFTCAP, dtype, col_s, a_layout)
             delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
             ds_t = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
@@ -1219,19 +1240,95 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf))
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, b * H + hk * GROUP + i // n_m, m0, WG, BLOCK_M, DQ_COLS)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + i // n_m, m0, WG, BLOCK_M, DQ_COLS)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
-        tma.store_wait(0)
-        _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
+        return dk, dv
 
     @gluon.jit
-    def _bwd_probs(s_t, lse2, m0, keys0, offs_n, RowLo, RowHi, L, S, seen_lo, seen_hi, qk_scale, ragged,
-                   BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                   col_s: gl.constexpr):
-        """P^T = exp2(S^T * qk_scale - lse), 0 where a query does not see a key (causal; INTERVALS: query i keeps
-        keys [row_lo[i], row_hi[i]]) and for keys past S."""
+    def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
+                        do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
+                        total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                        DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                        STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+        """Two steps (a, b) an iteration: b's S^T and dP^T are issued behind a's dV, so that P_b forms while dP_b,
+        dQ_a and dK_a run. Every product is waited for before the loop's back-edge (a product in flight across it,
+        with a wait(N > 0) read in the loop, makes ptxas serialize every wgmma). An odd last step b runs on a's
+        buffers with an infinite logsumexp (P = dS = 0), its dQ_part not added."""
+        dtype: gl.constexpr = q_smem.dtype
+        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
+        for j in range(gl.cdiv(total, 2)):
+            ia = 2 * j
+            ib = ia + 1
+            valid_b = ib < total
+            buf_a = ia % STAGES
+            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
+            m0_a = m_start + (ia % n_m) * BLOCK_M
+            m0_b = m_start + (ib % n_m) * BLOCK_M
+            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            # step a: S, dP, P, dS
+            mbarrier.wait(q_full.index(buf_a), phase=(ia // STAGES) & 1)
+            s_t = warpgroup_mma(k_tile, q_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf_a), phase=(ia // STAGES) & 1)
+            dp_t = warpgroup_mma(v_tile, do_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            lse2 = lse_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0_a, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                   SOFTCAP, dtype, col_s, a_layout)
+            delta = delta_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            ds_a = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(0))
+            # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
+            dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
+            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(ds_ready.index(0), phase=j & 1)
+            dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
+            lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
+            dv, s_t = warpgroup_mma_wait(num_outstanding=3, deps=(dv, s_t))
+            mbarrier.arrive(do_empty.index(buf_a))
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                   SOFTCAP, dtype, col_s, a_layout)
+            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
+            dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
+            ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            ds_smem.index(1).slice(WG * KEYS, KEYS).store(ds_b)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(1))
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ia // n_m, m0_a, WG, BLOCK_M, DQ_COLS)
+            # b's dV, dQ_part and dK
+            dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
+            mbarrier.wait(ds_ready.index(1), phase=j & 1)
+            dq = warpgroup_mma(ds_smem.index(1).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+            mbarrier.arrive(q_empty.index(buf_a))
+            mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
+            mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
+            if valid_b:
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ib // n_m, m0_b, WG, BLOCK_M, DQ_COLS)
+        return dk, dv
+
+    @gluon.jit
+    def _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, dtype: gl.constexpr,
+                   col_s: gl.constexpr, a_layout: gl.constexpr):
+        """(P^T in the input dtype as dV's register operand, P^T times dS^T's cap factor in fp32) from S^T: P^T =
+        exp2(S^T * qk_scale - lse) (SOFTCAP: of tanh(S^T * cap_scale), the factor 1 - tanh^2), 0 where a query does
+        not see a key (causal; INTERVALS: query i keeps keys [row_lo[i], row_hi[i]]) and for keys past S."""
+        offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, ragged = masks
+        if SOFTCAP:
+            s_t = _tanh(s_t * cap_scale)
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         if CAUSAL:
             if m0 < keys0 + KEYS:  # only the blocks that cross the diagonal pay for the mask
@@ -1246,7 +1343,10 @@ if gluon is not None:
                 p_t = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(row_hi, 0), p_t, 0.0)
         if ragged:  # keys past S (zeros in K and V): P = 0, whatever the row's logsumexp
             p_t = gl.where(gl.expand_dims(offs_n < S, 1), p_t, 0.0)
-        return p_t
+        p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+        if SOFTCAP:  # through the cap to the raw score
+            p_t = p_t * (1.0 - s_t * s_t)
+        return p_a, p_t
 
     @gluon.jit
     def _bwd_dq_add(dq, dq_smem, dq_desc, bh, m0, WG: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
@@ -1281,7 +1381,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1316,12 +1416,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
         ], [4, 4], [240, 240])
 
 
