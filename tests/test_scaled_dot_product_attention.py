@@ -927,6 +927,26 @@ def test_triton_kernels_negative_scale(dtype):
     check_parity(q, k, v, None, False, scale=-0.7, backend="triton")
 
 
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+@pytest.mark.parametrize("D", [64, 128])
+def test_one_pass_statistics_kernel(D):
+    """The pass before the Hopper one-pass backward (runs here in the interpreter): per row the base-2 logsumexp and
+    delta = rowsum(dO * O), rows padded to whole query blocks (+inf and 0 there: P = 0), from (B, T, H, D) strides."""
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    B, H, L, l_pad = 2, 3, 70, 128
+    out, grad_out = (torch.randn(B, L, H, D, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    lse = torch.randn(B, H, L)
+    lse[0, 1, 5] = float("inf")  # a row that sees no key
+    stats = torch.full((2, B * H, l_pad), float("nan"))
+    K.launch(K._bwd_preprocess_kernel, (l_pad // 64, B * H), out, grad_out, stats[1], lse, stats[0], *out.stride(),
+             *grad_out.stride(), H, L, D, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
+    delta = (out.float() * grad_out.float()).sum(-1).reshape(B * H, L)
+    torch.testing.assert_close(stats[1, :, :L], delta, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[0, :, :L], lse.reshape(B * H, L) * K.LOG2E)
+    assert (stats[1, :, L:] == 0).all() and (stats[0, :, L:] == float("inf")).all()
+
+
 if INTERPRETER:
     import triton
     import triton.language as tl
@@ -1941,7 +1961,7 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     one_pass = [case for case in HOPPER_HOST_CASES
                 if (case[0] == 128 and case[4] == 0.0) or (case[0] == 64 and case[1] >= hopper.ONE_PASS_D64_MIN_KEYS)]
     names = [kernel.__name__ for kernel, _, _ in launches]
-    for name in ("_attn_bwd_hopper", "_one_pass_stats", "_one_pass_dq"):
+    for name in ("_attn_bwd_hopper", "_bwd_preprocess_kernel", "_one_pass_dq"):
         assert names.count(name) == len(one_pass), name
     assert names.count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) - len(one_pass)
     gluon_launches = [launch for launch in launches if type(launch[0]) is type(hopper._attn_fwd_ws)]
@@ -1985,7 +2005,7 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
     launches.clear()
     K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *(torch.empty_like(t) for t in (q, k, v)),
                          None)
-    assert launches == [("_one_pass_stats", None), ("_attn_bwd_hopper", None), ("_one_pass_dq", None)]
+    assert launches == [("_bwd_preprocess_kernel", None), ("_attn_bwd_hopper", None), ("_one_pass_dq", None)]
 
 
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [

@@ -1008,24 +1008,20 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
             and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
-def attention_backward(q, k, v, grad_out, out, lse, is_causal: bool, qk_scale: float, scale: float,
+def attention_backward(q, k, v, grad_out, stats, is_causal: bool, qk_scale: float, scale: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
-    """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with the forward's
-    ``out`` (for delta) instead of delta."""
+    """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
+    (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
+    in the padding rows) and delta (0 there)."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
-    # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole blocks (+inf and 0:
-    # P = 0 there), written by one pass over O and dO
-    l_pad = cdiv(L, block_m) * block_m
-    stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=q.device)
-    launch(_one_pass_stats, (l_pad // 64, B * H), out, grad_out, lse, stats, *out.stride(), *grad_out.stride(),
-           H, L, l_pad, B * H * l_pad, HEAD_DIM=D, BLOCK_M=64)
+    l_pad = stats.shape[-1]
     dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
     dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
     stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
-    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (lse,) * 4
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
@@ -1060,26 +1056,6 @@ def _ds_layout(block_n: int, block_m: int, dtype: torch.dtype):
 
 
 if gluon is not None:
-
-    @triton.jit
-    def _one_pass_stats(Out, DO, Lse, Stats, stride_ob, stride_oh, stride_om, stride_od,
-                        stride_gb, stride_gh, stride_gm, stride_gd, H, L, L_PAD, PLANE,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        """Stats[0, bh, i] = lse[bh, i] in base 2 and Stats[1, bh, i] = delta = sum_d dO * O, rows L..L_PAD: +inf, 0."""
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_d = tl.arange(0, HEAD_DIM)
-        rows = offs_m[:, None] < L
-        o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-                    + offs_d[None, :] * stride_od, mask=rows, other=0.0).to(tl.float32)
-        g = tl.load(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
-                    + offs_d[None, :] * stride_gd, mask=rows, other=0.0).to(tl.float32)
-        lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
-        row = bh.to(tl.int64) * L_PAD + offs_m
-        tl.store(Stats + row, lse * 1.4426950408889634)
-        tl.store(Stats + PLANE + row, tl.sum(o * g, 1))
 
     @triton.jit
     def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, scale, HEAD_DIM: tl.constexpr,

@@ -429,10 +429,12 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
-    H, L, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Out, DO, Delta, Lse, Lse2, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
+    H, L, DV, L_PAD, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, LSE2: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32)."""
+    """delta[b * H + h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32), rows L_PAD apart (rows L..L_PAD: 0); LSE2:
+    also Lse2 = the logsumexp Lse (rows L apart) in base 2, rows L..L_PAD +inf (the one-pass backward's padded
+    statistics: P = 0 there)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
     b = bh // H
@@ -443,7 +445,11 @@ def _bwd_preprocess_kernel(
                 + offs_d[None, :] * stride_od, mask=inside, other=0.0).to(tl.float32)
     g = tl.load(DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + offs_m[:, None] * stride_gm
                 + offs_d[None, :] * stride_gd, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * L + offs_m, tl.sum(o * g, 1), mask=offs_m < L)
+    row = bh.to(tl.int64) * L_PAD + offs_m
+    tl.store(Delta + row, tl.sum(o * g, 1), mask=offs_m < L_PAD)
+    if LSE2:
+        lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
+        tl.store(Lse2 + row, lse * 1.4426950408889634, mask=offs_m < L_PAD)
 
 
 @triton.jit
@@ -1049,7 +1055,12 @@ def attention_backward(
     if (hopper_dkdv and hopper_dq and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
             and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
             and hopper.one_pass_applies(q, k, softcap > 0.0)):
-        hopper.attention_backward(q, k, v, grad_out, out, lse, hopper_causal, qk_scale, scale, dq, dk, dv,
+        # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole query blocks
+        l_pad = cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M
+        stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=dev)
+        launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, stats[1], lse, stats[0],
+               *out.stride(), *grad_out.stride(), H, L, DV, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
+        hopper.attention_backward(q, k, v, grad_out, stats, hopper_causal, qk_scale, scale, dq, dk, dv,
                                   hopper_intervals, cap_scale)
         return dq, dk, dv, ds
     bd, bdv = _head_block(D), _head_block(DV)
@@ -1084,7 +1095,8 @@ def attention_backward(
     elif not gluon_dq:
         pre_m = 64 if bdv <= 128 else 32
         launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, L, DV, BLOCK_M=pre_m, BLOCK_DV=bdv,
+            out, grad_out, delta, delta, delta, *out.stride(), *grad_out.stride(), H, L, DV, L, BLOCK_M=pre_m,
+            BLOCK_DV=bdv, LSE2=False,
         )
     if gluon_dq:
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
