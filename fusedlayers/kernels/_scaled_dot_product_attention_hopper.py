@@ -9,7 +9,7 @@ engine) into rings of shared memory, each buffer refilled as soon as the product
 warpgroups share an SM, so one's softmax also runs under the other's products: for dense calls (``_attn_fwd_ws``) as
 the consumers of one program, which share every K/V tile a producer warpgroup loads, and get its registers;
 for short key intervals and small D64 calls (``_attn_fwd_hopper``) as two programs of one warpgroup each. The
-default backward at D128 (not soft-capped) and at D64 from 4096 keys, dense or on key intervals, is one pass with
+default backward at D128 (not soft-capped) and at D64 from 1024 keys, dense or on key intervals, is one pass with
 FA3's structure (``_attn_bwd_hopper``: dQ added by unordered fp32 TMA reductions). The deterministic one, and every
 other call's, keeps the Triton kernels' split (no atomics): a dK/dV program holds one key block and streams
 the query blocks of every query head sharing it, in transposed (key x query) tiles so that P^T and dS^T are the next
@@ -995,7 +995,9 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 # On key intervals or soft-capped 0.86-0.97x (their masks and tanh spill registers there); D128's registers do not
 # hold a second step's tiles (ptxas serializes every wgmma).
 ONE_PASS_STEP_PAIRS = (64,)
-ONE_PASS_D64_MIN_KEYS = 4096  # D64 with 2K keys: 0.95-1.00x the two passes (H200)
+# D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
+# 1.08x (1K causal calls are below MIN_FLOPS); single steps at 50d2cd8 measured 2K at 0.95-1.00x
+ONE_PASS_D64_MIN_KEYS = 1024
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
 
