@@ -1186,7 +1186,6 @@ if gluon is not None:
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
-        dtype: gl.constexpr = q_smem.dtype
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
             buf = i % STAGES
@@ -1194,17 +1193,9 @@ if gluon is not None:
             m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            mbarrier.wait(q_full.index(buf), phase=phase)
-            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf), phase=phase)
-            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            p_a, p_ds = _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
-                                   SOFTCAP, dtype, col_s, a_layout)
-            delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-            ds_t = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
+                                     phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                     SOFTCAP, col_s, a_layout)
             # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
             # warpgroup a step ahead never overwrites what the other's dQ_part still reads
             ds_buf = ds_smem.index(i % 2)
@@ -1248,17 +1239,9 @@ if gluon is not None:
             q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
             do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
             # step a: S, dP, P, dS
-            mbarrier.wait(q_full.index(buf_a), phase=(ia // STAGES) & 1)
-            s_t = warpgroup_mma(k_tile, q_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_a), phase=(ia // STAGES) & 1)
-            dp_t = warpgroup_mma(v_tile, do_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse2 = lse_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-            p_a, p_ds = _bwd_probs(s_t, lse2, m0_a, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
-                                   SOFTCAP, dtype, col_s, a_layout)
-            delta = delta_smem.index(buf_a).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
-            ds_a = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, cap_scale, BLOCK_M, KEYS,
+                                     CAUSAL, INTERVALS, SOFTCAP, col_s, a_layout)
             ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(0))
@@ -1296,6 +1279,25 @@ if gluon is not None:
             if valid_b:
                 _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ib // n_m, m0_b, WG, BLOCK_M, DQ_COLS)
         return dk, dv
+
+    @gluon.jit
+    def _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf, phase, s_zero, m0,
+                     masks, qk_scale, cap_scale, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
+                     INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+        """A step's S^T = K Q^T and dP^T = V dO^T, issued as their tiles arrive and waited for: (P^T as dV's register
+        operand, dS^T = P^T (dP^T - delta) in the input dtype)."""
+        dtype: gl.constexpr = q_tile.dtype
+        mbarrier.wait(q_full.index(buf), phase=phase)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_full.index(buf), phase=phase)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        p_a, p_ds = _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP,
+                               dtype, col_s, a_layout)
+        delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+        return p_a, (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
 
     @gluon.jit
     def _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
