@@ -1954,8 +1954,8 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == {True, False}
     dq_first = [kernel.__name__ for kernel, _, _ in launches if "bwd" in kernel.__name__][:2]
     assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
-    # the default mode: the backward in one pass at D128 and at D64 from its key floor (its stats and dQ kernels
-    # too), the others as above
+    # the default mode: the backward in one pass at D128 (not soft-capped) and at D64 from its key floor (its stats
+    # and dQ kernels too), the others as above
     launches.clear()
     _hopper_host_launches(K, launches, exact_delta_too=False)
     one_pass = [case for case in HOPPER_HOST_CASES
