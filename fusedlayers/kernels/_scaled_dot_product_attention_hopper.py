@@ -999,23 +999,15 @@ ONE_PASS_STEP_PAIRS = (64,)
 # 1.08x (1K causal calls are below MIN_FLOPS); single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
 one_pass_enabled = True  # False: the two passes (A/B timing)
-# Deterministic mode: (head dim, causal) of the dense calls whose one pass adds dQ in a fixed order (``_dq_turn``,
-# ``_bwd_dq_writer``); none: against the two passes 0.96-1.02x at D128 and 0.76-0.86x at D64 (H200)
-ORDERED_ONE_PASS = set()
-ROTATE_ORDERED = True  # False: ordered walks not rotated (A/B timing)
 
 
-
-def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool, is_causal: bool,
-                     intervals: tuple[torch.Tensor, ...] | None) -> bool:
+def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
     """Whether a backward that ``backward_passes`` admits runs in one pass: D 128 (not soft-capped: the cap's tanh
-    tile spills registers there, 0.95x the two passes on an H200), or D 64 from ONE_PASS_D64_MIN_KEYS keys; where
-    bitwise repeatable gradients are asked for, only dense calls of ORDERED_ONE_PASS."""
+    tile spills registers there, 0.95x the two passes on an H200), or D 64 from ONE_PASS_D64_MIN_KEYS keys, and
+    bitwise repeatable gradients not asked for."""
     D = q.shape[-1]
-    if not (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D == 64 or not softcap)
-            and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS)):
-        return False
-    return not backend.deterministic_attention() or (intervals is None and (D, is_causal) in ORDERED_ONE_PASS)
+    return (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D == 64 or not softcap)
+            and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
 def attention_backward(q, k, v, grad_out, stats, is_causal: bool, qk_scale: float, scale: float,
@@ -1023,8 +1015,7 @@ def attention_backward(q, k, v, grad_out, stats, is_causal: bool, qk_scale: floa
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
-    in the padding rows) and delta (0 there). dQ's additions are ordered (bitwise repeatable) where
-    ``backend.deterministic_attention()``."""
+    in the padding rows) and delta (0 there)."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
@@ -1034,24 +1025,14 @@ def attention_backward(q, k, v, grad_out, stats, is_causal: bool, qk_scale: floa
     stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
-    ordered = backend.deterministic_attention()
-    turns = torch.zeros((B * H, l_pad // block_m, 2), dtype=torch.int32, device=q.device) if ordered else stats
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, turns, *dk.stride(), *dv.stride(), H, H // H_kv,
-        L, S, B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
+        dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
+        B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, ORDERED=ordered, ROTATE=ordered and _rotate(q, k, is_causal),
-        num_warps=4,
+        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
-
-
-def _rotate(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
-    """Whether ordered dQ additions walk rotated (``_bwd_program``): not causal, and a head's key blocks few enough
-    to run at once (a program may wait on one launched after it)."""
-    return (not is_causal and ROTATE_ORDERED and cdiv(k.shape[2], ONE_PASS_BLOCK_N) <= _sm_count(q.device.index or 0)
-            and cdiv(q.shape[2], ONE_PASS_BLOCK_M) >= cdiv(k.shape[2], ONE_PASS_BLOCK_N))
 
 
 def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
@@ -1099,17 +1080,11 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ORDERED: gl.constexpr, ROTATE: gl.constexpr):
-        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps, stride): a
-        key block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
-        holding its first key on; INTERVALS: the blocks its keys' query intervals reach), from block n * stride of
-        them on (key block n), wrapping around (ROTATE: stride = query blocks // key blocks, so that key blocks
-        walking in step meet a query block one at a time; else 0). ORDERED and causal: the last key block is
-        launched first (it adds to each query block first; a program waits only on earlier ones)."""
-        n_block = gl.program_id(0)
-        if ORDERED and CAUSAL:
-            n_block = gl.num_programs(0) - 1 - n_block
-        n0 = n_block * BLOCK_N
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
+        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
+        block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
+        holding its first key on; INTERVALS: the blocks its keys' query intervals reach)."""
+        n0 = gl.program_id(0) * BLOCK_N
         bhk = gl.program_id(1)
         H_KV = H // GROUP
         if INTERVALS:
@@ -1121,21 +1096,17 @@ if gluon is not None:
             else:
                 m_start = 0
             n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
-        stride = 0
-        if ROTATE:
-            stride = n_m // gl.num_programs(0)
-        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m, stride
+        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      STAGES: gl.constexpr, ORDERED: gl.constexpr, ROTATE: gl.constexpr):
+                      STAGES: gl.constexpr):
         """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
         refilled once both consumers released it."""
-        n0, b, hk, n_m, m_start, total, stride = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS, ORDERED, ROTATE)
-        shift = (n0 // BLOCK_N) * stride
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
@@ -1143,7 +1114,7 @@ if gluon is not None:
             buf = i % STAGES
             empty_phase = ((i // STAGES) & 1) ^ 1
             h = hk * GROUP + i // n_m
-            m0 = _bwd_step_row(i, n_m, m_start, shift, BLOCK_M)
+            m0 = m_start + (i % n_m) * BLOCK_M
             mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
             mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
@@ -1155,17 +1126,15 @@ if gluon is not None:
                                             delta_smem.index(buf))
 
     @gluon.jit
-    def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, dq_full,
-                      dq_empty, kv_bar,
-                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, Turns,
+    def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, kv_bar,
+                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, ORDERED: gl.constexpr,
-                      ROTATE: gl.constexpr):
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part, a
         step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
-        1 - tanh^2. ORDERED: each query block's dQ_parts are added in a fixed order of key blocks (``_dq_turn``)."""
+        1 - tanh^2."""
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1178,8 +1147,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total, stride = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS, ORDERED, ROTATE)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1195,39 +1164,33 @@ if gluon is not None:
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
-        walk = (b * H + hk * GROUP, n_m, m_start, (n0 // BLOCK_N) * stride, stride, Turns, n0 // BLOCK_N,
-                gl.cdiv(S, BLOCK_N), gl.cdiv(L, BLOCK_M))
         mbarrier.wait(kv_bar, phase=0)
         if STEP_PAIRS:
-            dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, dq_full,
-                                     dq_empty, q_full,
+            dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                     dq_zero, masks, walk, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS, DQ_COLS,
-                                     CAUSAL, INTERVALS, SOFTCAP, STAGES, ORDERED, col_s, a_layout)
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale,
+                                     WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
         else:
-            dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, dq_full, dq_empty,
-                                q_full, q_empty,
+            dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
-                                walk, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS,
-                                SOFTCAP, STAGES, ORDERED, col_s, a_layout)
-        if not ORDERED:
-            tma.store_wait(0)
+                                b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
+        tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
 
     @gluon.jit
-    def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, dq_full, dq_empty, q_full,
-                   q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, walk,
-                   total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+    def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
+                   do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
+                   qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                   STAGES: gl.constexpr, ORDERED: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        _, n_m, m_start, shift, _, _, _, _, _ = walk
         for i in range(total):
             buf = i % STAGES
             phase = (i // STAGES) & 1
-            m0 = _bwd_step_row(i, n_m, m_start, shift, BLOCK_M)
+            m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
@@ -1246,33 +1209,31 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf))
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, dq_full, dq_empty, walk, i, WG, BLOCK_M, DQ_COLS, ORDERED)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + i // n_m, m0, WG, BLOCK_M, DQ_COLS)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
-    def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, dq_full, dq_empty,
-                        q_full, q_empty, do_full,
-                        do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, walk, total,
-                        qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+    def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
+                        do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
+                        total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                        STAGES: gl.constexpr, ORDERED: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+                        STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """Two steps (a, b) an iteration: b's S^T and dP^T are issued behind a's dV, so that P_b forms while dP_b,
         dQ_a and dK_a run. Every product is waited for before the loop's back-edge (a product in flight across it,
         with a wait(N > 0) read in the loop, makes ptxas serialize every wgmma). An odd last step b runs on a's
         buffers with an infinite logsumexp (P = dS = 0), its dQ_part not added."""
         dtype: gl.constexpr = q_smem.dtype
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        _, n_m, m_start, shift, _, _, _, _, _ = walk
         for j in range(gl.cdiv(total, 2)):
             ia = 2 * j
             ib = ia + 1
             valid_b = ib < total
             buf_a = ia % STAGES
             buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-            m0_a = _bwd_step_row(ia, n_m, m_start, shift, BLOCK_M)
-            m0_b = _bwd_step_row(ib, n_m, m_start, shift, BLOCK_M)
+            m0_a = m_start + (ia % n_m) * BLOCK_M
+            m0_b = m_start + (ib % n_m) * BLOCK_M
             q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
             do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
             q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
@@ -1305,7 +1266,7 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(1))
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, dq_full, dq_empty, walk, ia, WG, BLOCK_M, DQ_COLS, ORDERED)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ia // n_m, m0_a, WG, BLOCK_M, DQ_COLS)
             # b's dV, dQ_part and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             mbarrier.wait(ds_ready.index(1), phase=j & 1)
@@ -1316,7 +1277,7 @@ if gluon is not None:
             mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if valid_b:
-                _bwd_dq_add(dq, dq_smem, dq_desc, dq_full, dq_empty, walk, ib, WG, BLOCK_M, DQ_COLS, ORDERED)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ib // n_m, m0_b, WG, BLOCK_M, DQ_COLS)
         return dk, dv
 
     @gluon.jit
@@ -1368,99 +1329,13 @@ if gluon is not None:
         return p_a, p_t
 
     @gluon.jit
-    def _bwd_dq_add(dq, dq_smem, dq_desc, dq_full, dq_empty, walk, i, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr, ORDERED: gl.constexpr):
-        """Adds this warpgroup's part of step i's dQ_part to the fp32 dQ by a TMA reduction, not waited for; ORDERED:
-        hands it to the writer partition (``_bwd_dq_writer``) through a buffer it frees once read."""
-        if ORDERED:
-            mbarrier.wait(dq_empty.index(WG), phase=(i - 1) & 1, pred=i > 0)
-        else:
-            tma.store_wait(0)  # the previous reduction has read dq_smem
-            gl.thread_barrier()
+    def _bwd_dq_add(dq, dq_smem, dq_desc, bh, m0, WG: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+        """Adds this warpgroup's dQ_part to the fp32 dQ by a TMA reduction, not waited for."""
+        tma.store_wait(0)  # the previous reduction has read dq_smem
+        gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        if ORDERED:
-            mbarrier.arrive(dq_full.index(WG))
-        else:
-            bh0, n_m, m_start, shift = walk[0], walk[1], walk[2], walk[3]
-            _tma_reduce_add(dq_desc, [bh0 + i // n_m, _bwd_step_row(i, n_m, m_start, shift, BLOCK_M), WG * DQ_COLS],
-                            dq_smem.index(WG))
-
-    @gluon.jit
-    def _bwd_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Turns, ColLo, ColHi, H, GROUP, L, S,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr):
-        """ORDERED's dQ writer (one warp): adds each step's two dQ_parts (one a consumer) to the fp32 dQ by TMA
-        reductions, each once its query block's counter shows its turn (``_dq_turn``); frees their buffers once
-        read, and counts the step on those counters once its reductions are written, after the next step's are
-        issued (so that the consumers never wait for the writes)."""
-        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-        n0, b, hk, n_m, m_start, total, stride = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
-                                                              False, True, ROTATE)
-        shift = (n0 // BLOCK_N) * stride
-        walk = (b * H + hk * GROUP, n_m, m_start, shift, stride, Turns, n0 // BLOCK_N, gl.cdiv(S, BLOCK_N),
-                gl.cdiv(L, BLOCK_M))
-        for i in range(total):
-            row = _bwd_step_row(i, n_m, m_start, shift, BLOCK_M)
-            for wg in gl.static_range(2):
-                turn, rank = _dq_turn(walk, i, wg, BLOCK_M, BLOCK_N, CAUSAL)
-                mbarrier.wait(dq_full.index(wg), phase=i & 1)
-                _wait_turn(turn, rank)
-                _tma_reduce_add(dq_desc, [walk[0] + i // n_m, row, wg * DQ_COLS], dq_smem.index(wg))
-            tma.store_wait(0)  # read: the consumers may refill the buffers
-            mbarrier.arrive(dq_empty.index(0))
-            mbarrier.arrive(dq_empty.index(1))
-            if i > 0:
-                _count_turns(walk, i - 1, 2, BLOCK_M, BLOCK_N, CAUSAL)
-        if total > 0:
-            _count_turns(walk, total - 1, 0, BLOCK_M, BLOCK_N, CAUSAL)
-
-    @gluon.jit
-    def _bwd_step_row(i, n_m, m_start, shift, BLOCK_M: gl.constexpr):
-        """Step i's first query row: the walk over a head's n_m query blocks from block ``shift`` on, wrapping."""
-        return m_start + ((i + shift) % n_m) * BLOCK_M
-
-    @gluon.jit
-    def _dq_turn(walk, i, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """(step i's counter for consumer WG's columns, the additions it waits for): the key blocks add to a query
-        block in the order they reach it when all start together, so that none waits long: causal, each key block
-        starts at its diagonal, the last one first (it reaches every block 2 steps before the one below it); not
-        causal, key block n adds n-th, or (rotated walks, ``_bwd_program``) the one that starts at the query block
-        first, then the key blocks below it, wrapping around."""
-        bh0, n_m, m_start, shift, stride, Turns, n_block, n_blocks, m_blocks = walk
-        mb = _bwd_step_row(i, n_m, m_start, shift, BLOCK_M) // BLOCK_M
-        turn = Turns + ((bh0 + i // n_m).to(gl.int64) * m_blocks + mb) * 2 + WG
-        if CAUSAL:
-            rank = gl.minimum(mb // (BLOCK_N // BLOCK_M), n_blocks - 1) - n_block
-        elif stride > 0:
-            rank = (gl.minimum(mb // stride, n_blocks - 1) - n_block + n_blocks) % n_blocks
-        else:
-            rank = n_block
-        return turn, rank
-
-    @gluon.jit
-    def _wait_turn(turn, rank):
-        """Spins until the counter at ``turn`` shows ``rank`` additions (4 counts each, ``_count_turns``), with acquire
-        semantics: the additions it counts are visible to this thread's next TMA reduction."""
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 v; spin_${:uid}: ld.acquire.gpu.global.b32 v, [$1]; setp.ne.s32 p, v, $2;"
-            " @p bra spin_${:uid}; fence.proxy.async.global; mov.u32 $0, 0; }",
-            "=r,l,r", [turn, 4 * rank], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _count_turns(walk, i, pending: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-        """Once no more than ``pending`` TMA reductions are unwritten (``cp.async.bulk.wait_group``, not ``.read``),
-        adds 1 to both counters of step i in one lane of each of the 4 warps (release; a thread-id predicate there
-        made ptxas spill 168-472 bytes, against 40-76)."""
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group $1; mov.u32 $0, 0;", "=r,n", [pending], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.thread_barrier()  # past the wait in the thread that issued the reductions
-        for wg in gl.static_range(2):
-            turn, _ = _dq_turn(walk, i, wg, BLOCK_M, BLOCK_N, CAUSAL)
-            gl.inline_asm_elementwise(
-                "{ .reg .pred first; elect.sync _|first, 0xffffffff;"
-                " fence.proxy.async.global; @first red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
-                "=r,l", [turn], dtype=gl.int32, is_pure=False, pack=1)
+        _tma_reduce_add(dq_desc, [bh, m0, WG * DQ_COLS], dq_smem.index(WG))
 
     @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -1481,16 +1356,14 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV, RowLo, RowHi, ColLo, ColHi,
-                         Turns, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, ORDERED: gl.constexpr,
-                         ROTATE: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
-        consumer warpgroups with its registers. ORDERED: dQ's fp32 additions in a fixed order (counters at
-        ``Turns``, int32 (B * H, query blocks, 2) zeros), so that dQ is bitwise repeatable."""
+        consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -1506,8 +1379,6 @@ if gluon is not None:
         do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
@@ -1516,47 +1387,22 @@ if gluon is not None:
             mbarrier.init(do_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_empty.index(i), count=1)
         fence_async_shared()
-        if ORDERED:
-            gl.warp_specialize([
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                                 delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                                 BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, ORDERED, ROTATE)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 dq_full, dq_empty, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 RowLo, RowHi, ColLo, ColHi, Turns, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                                 stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale,
-                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                 STEP_PAIRS, ORDERED, ROTATE)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 dq_full, dq_empty, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 RowLo, RowHi, ColLo, ColHi, Turns, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                                 stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale,
-                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                 STEP_PAIRS, ORDERED, ROTATE)),
-                (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Turns, ColLo, ColHi, H, GROUP, L, S, BLOCK_M,
-                                  BLOCK_N, CAUSAL, ROTATE)),
-            ], [4, 4, 4], [232, 232, 24])
-        else:
-            gl.warp_specialize([
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                                 delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                                 BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, ORDERED, ROTATE)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 dq_full, dq_empty, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 RowLo, RowHi, ColLo, ColHi, Turns, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                                 stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale,
-                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                 STEP_PAIRS, ORDERED, ROTATE)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                                 dq_full, dq_empty, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV,
-                                 RowLo, RowHi, ColLo, ColHi, Turns, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                                 stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale,
-                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                 STEP_PAIRS, ORDERED, ROTATE)),
-            ], [4, 4], [240, 240])
+        gl.warp_specialize([
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
+                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
+        ], [4, 4], [240, 240])
 
 
 # ----------------------------------------------------------------------------- backward: dQ

@@ -1054,7 +1054,7 @@ def attention_backward(
         qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
     if (hopper_dkdv and hopper_dq and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
             and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
-            and hopper.one_pass_applies(q, k, softcap > 0.0, hopper_causal, hopper_intervals)):
+            and hopper.one_pass_applies(q, k, softcap > 0.0)):
         # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole query blocks
         l_pad = cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M
         stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=dev)
