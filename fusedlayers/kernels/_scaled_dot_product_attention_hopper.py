@@ -16,7 +16,8 @@ the query blocks of every query head sharing it, in transposed (key x query) til
 products' register operands; a dQ program holds one query block and streams the key blocks, and runs first: it
 forms delta = rowsum(dO * O) of its rows for both passes. (One pass with dQ added in fp32 by ordered TMA
 reductions was deterministic but 0.51-0.95x of this, inline, with a writer partition or pipelined:
-h100-attention-experiments.md, the 2026-11-26 runs at 8c0abe0, 9c94282 and 6608e51.)
+h100-attention-experiments.md, the 2026-11-26 runs at 8c0abe0, 9c94282 and 6608e51; FA3's structure with ordered
+reductions 0.66-1.02x, the 2026-11-28 run at ce21c65.)
 
 Measured against the Triton kernels in the same run (bf16, B*L = 16384, H*D = 2048, L 1K-16K; benchmarks/results/
 h*-scaled_dot_product_attention.md, H100 and H200): forward 1.00-1.51x, forward+backward 1.00-1.54x. Against cuDNN
