@@ -1210,7 +1210,7 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf))
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + i // n_m, m0, WG, BLOCK_M, DQ_COLS)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
         return dk, dv
@@ -1267,7 +1267,7 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(1))
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ia // n_m, m0_a, WG, BLOCK_M, DQ_COLS)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS)
             # b's dV, dQ_part and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             mbarrier.wait(ds_ready.index(1), phase=j & 1)
@@ -1278,7 +1278,7 @@ if gluon is not None:
             mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if valid_b:
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0 + ib // n_m, m0_b, WG, BLOCK_M, DQ_COLS)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS)
         return dk, dv
 
     @gluon.jit
@@ -1330,13 +1330,15 @@ if gluon is not None:
         return p_a, p_t
 
     @gluon.jit
-    def _bwd_dq_add(dq, dq_smem, dq_desc, bh, m0, WG: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
-        """Adds this warpgroup's dQ_part to the fp32 dQ by a TMA reduction, not waited for."""
+    def _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                    DQ_COLS: gl.constexpr):
+        """Adds this warpgroup's dQ_part of step i to the fp32 dQ by a TMA reduction, not waited for. The step's head
+        and first row are recomputed from i here rather than kept live across the step: fewer registers spill."""
         tma.store_wait(0)  # the previous reduction has read dq_smem
         gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [bh, m0, WG * DQ_COLS], dq_smem.index(WG))
+        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS], dq_smem.index(WG))
 
     @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
