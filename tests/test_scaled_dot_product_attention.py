@@ -1077,9 +1077,9 @@ ATOMIC_DQ_CASES = [
 @pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
 @pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=lambda c: f"H{c[1]}kv{c[2]}L{c[3]}S{c[4]}D{c[5]}c{int(c[6])}")
 def test_triton_nondeterministic_backward_adds_dq_atomically(case, monkeypatch):
-    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as kernels
 
-    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # small causal calls keep dQ's kernel: not these
+    monkeypatch.setattr(kernels, "ATOMIC_DQ_MIN_CAUSAL_FLOPS", 0)  # small causal calls keep dQ's kernel: not these
     B, H, H_kv, L, S, D, causal = case
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, torch.float16)
     names = launched_kernels(monkeypatch)
@@ -2099,8 +2099,10 @@ def test_cuda_nondeterministic_backward(case, dtype, monkeypatch):
     deterministic kernels. The Gluon backward (deterministic, and preferred where it applies) is switched off to
     reach this path."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as kernels
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(kernels, "ATOMIC_DQ_MIN_CAUSAL_FLOPS", 0)  # small causal calls keep dQ's kernel: not these
     monkeypatch.setattr(hopper, "backward_enabled", False)
     monkeypatch.setattr(hopper, "dq_enabled", False)
     B, H, H_kv, L, S, D, causal = case

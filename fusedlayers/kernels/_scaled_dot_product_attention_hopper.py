@@ -78,12 +78,14 @@ FORWARD_HEAD_DIMS = tuple(sorted({d for d, _ in _CONFIGS}))
 BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 
-# Smaller calls keep the Triton forward. At B*L = 16384, H*D = 2048 (4 * 16384 * 2048 * L flops, half of it causal)
-# the causal L = 1024 shapes (2**36) timed 0.82-1.01x the Triton path forward+backward in three H100 runs (D64; the
-# forward alone 1.15x), as if this launch's host time (three TMA descriptors, Gluon's launcher) were not hidden
-# there; from 2**37 up (L = 1024 not causal, L >= 2048) the forward was 1.01-1.17x and forward+backward 0.99-1.16x
-# in every run but one transient forward sample (benchmarks/results/h100-attention-experiments.md).
-MIN_FLOPS = 2**37
+# Smaller calls keep the Triton kernels. The choice is by GPU time, as in a training step, where the host runs ahead
+# of the GPU: from 2**33 to 2**36 flops (dense D64/D128 causal and not, GQA, packed documents of 128-1024 tokens,
+# windows of 128-512 keys) the Gluon kernels' forward+backward took 1.00-1.48x less GPU time than the Triton kernels'
+# (H200, 2026-11-29; benchmarks/results/h100-attention-experiments.md, section "MIN_FLOPS"), the Hugging Face
+# Llama step at B 4, L 2K (2**36) 1.035x faster. A call alone is host-bound below about 2**37 (either path spends
+# about 1 ms of host time on a forward+backward; the Gluon path 0.1-0.4 ms more), which is what do_bench times there;
+# below 2**34 (under 0.2 ms of GPU time) the host's cost decides, and the Triton path's is the smaller.
+MIN_FLOPS = 2**34
 # The forwards deal causal tiles in groups of this many heads, the longest rows of a group first (``_causal_order``):
 # 1.03-1.10x one head at a time at D128 L 2K-16K (H100; the warp-specialized forward; D64's one-warpgroup forward
 # 0.99-1.02x). The dQ and dK/dV passes keep one head at a time (grouped: 0.96-1.05x, noise either way).
@@ -117,10 +119,8 @@ def _is_hopper(device: torch.device) -> bool:
 
 def _flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool, keys_per_row: float | None) -> float:
     """The forward's flops, 4 * B * H * L * D per key a row attends: MIN_FLOPS's measure. Packed short sequences and
-    narrow windows are small calls however long the packed row: forward+backward against the Triton kernels (H200,
-    16K tokens, H * D = 2048, where MIN_FLOPS is 1024 keys a row) they were 0.57-0.91x at 64-257 keys a row
-    (documents of 128 and 512, window 256), 0.94x (D64) and 1.17x (D128) at 512 (documents of 1024), 1.10-1.39x at
-    513 (window 512), 1.06-1.31x from 1025 up (windows 1024 and 4096, the benchmark's mix of 70-2663 tokens)."""
+    narrow windows are small calls however long the packed row (16K tokens, H * D = 2048: documents of 128 tokens
+    2**33 flops, windows of 256 keys 2**35)."""
     B, H, L, D = q.shape
     if keys_per_row is None:
         keys_per_row = backend.keys_per_row(k.shape[2], is_causal)
@@ -401,7 +401,7 @@ if gluon is not None:
 # D256 (H100, 2026-11-26, code at e5bb92e, forward TFLOP/s at L 1K / 2K / 4K / 16K against the Triton forward): two
 # consumers on 32-key blocks, persistent, not causal 2-deep ring 475 / 506 / 529 / 553 (Triton 363 / 410 / 432 / 432;
 # the forward above with 64 x 32 tiles 438 / 457 / 481 / 499), causal 3-deep 281 / 473 / 543 / 525 (2-deep 388 / 484
-# / 494 / 503; Triton 273 / 332 / 377 / 449; causal L = 1K is below MIN_FLOPS).
+# / 494 / 503; Triton 273 / 332 / 377 / 449).
 _WS_CONFIGS = {(64, False): (4, True, 3, 2048), (64, True): (2, True, 3, 2048), (128, False): (2, True, 2, 0),
                (128, True): (2, True, 2, 0), (256, False): (2, True, 2, 0), (256, True): (3, True, 2, 0)}
 # D128 causal calls with more keys than this keep one program a tile: persistent 0.96-0.99x there at 16K (three runs),
@@ -997,7 +997,7 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 # hold a second step's tiles (ptxas serializes every wgmma).
 ONE_PASS_STEP_PAIRS = (64,)
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
-# 1.08x (1K causal calls are below MIN_FLOPS); single steps at 50d2cd8 measured 2K at 0.95-1.00x
+# 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
 one_pass_enabled = True  # False: the two passes (A/B timing)
 
@@ -1413,7 +1413,7 @@ if gluon is not None:
 # (BLOCK_M queries, BLOCK_N keys, warps) per head dim: a program owns one query block (Q, dO resident, dQ in
 # registers) while key blocks stream through TMA rings (K three deep, V two), two programs an SM. The fastest of three
 # or four candidates each on an H200 (bf16, B*L = 16384, H*D = 2048, L 1K-16K, with the Gluon dK/dV): forward+backward
-# 1.03-1.10x the Triton dQ kernel at D128 and 1.00-1.06x at D64 from MIN_FLOPS up. Block j-1's dQ product is issued
+# 1.03-1.10x the Triton dQ kernel at D128 and 1.00-1.06x at D64 from 2**37 flops up. Block j-1's dQ product is issued
 # behind block j's S and dP and runs under block j's softmax (FA3's intra-warpgroup overlap): 1.02-1.05x
 # forward+backward over waiting for it within its own step at D128, 0.97-1.03x at D64 (H100, L 2K-16K). D256: 32-key
 # blocks (one program an SM, 148 KB of shared memory; 64-key blocks need more than the SM has), one warpgroup with the

@@ -892,11 +892,16 @@ def _table_config(kind: str, device_type: str, dtype: torch.dtype, d: int, dv: i
     return _pick(table, bd)
 
 
+# Plain causal calls below this many forward flops keep dQ's own kernel: adding dQ atomically timed 0.95x there
+# (the causal L = 1K rows at B*L = 16384, H*D = 2048; benchmarks/results/h*-scaled_dot_product_attention.md).
+ATOMIC_DQ_MIN_CAUSAL_FLOPS = 2**37
+
+
 def _atomic_dq_pays(dtype: torch.dtype, bd: int, bdv: int, has_mask: bool, plain_causal_flops: int | None) -> bool:
     """Whether the dK/dV kernel adds dQ atomically (unless ``backend.deterministic_attention()``): only where that
     was measured faster than dQ's own kernel (16-bit, head dims in (64, 128], no attn_mask; not plain causal calls
-    below the Hopper kernels' MIN_FLOPS, where it was 0.95x; benchmarks/results/h*-scaled_dot_product_attention.md)."""
-    small_causal = plain_causal_flops is not None and plain_causal_flops < hopper.MIN_FLOPS
+    below ATOMIC_DQ_MIN_CAUSAL_FLOPS)."""
+    small_causal = plain_causal_flops is not None and plain_causal_flops < ATOMIC_DQ_MIN_CAUSAL_FLOPS
     return (dtype != torch.float32 and bd == 128 and bdv <= 128 and not has_mask and not small_causal
             and not backend.deterministic_attention())
 
