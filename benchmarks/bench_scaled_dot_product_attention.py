@@ -9,6 +9,7 @@ batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench
     python benchmarks/bench_scaled_dot_product_attention.py [--out-dir benchmarks/results] [--sweep] [--quick]
                                                             [--no-flex]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
+    python benchmarks/bench_scaled_dot_product_attention.py --routing [--out FILE]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
@@ -17,6 +18,8 @@ FlashAttention's own package was not installed where the tables were measured, s
 are the peers.
 
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
+--routing: the Hopper kernels against the Triton kernels on calls around their MIN_FLOPS, by GPU time (what a training
+step pays) and by wall time (what a call timed alone pays: the host's, for small calls).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import datetime
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -38,7 +42,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import round_order  # noqa: E402
+from timing import report, round_order  # noqa: E402
 
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper  # noqa: E402
@@ -177,6 +181,113 @@ def _measure(name, b, h, length, d, causal):
     finally:
         hopper.enabled = True
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- --routing: the Hopper threshold
+
+# Calls around the Hopper kernels' MIN_FLOPS, bf16: (B, H, H_kv, L, D, causal, packed documents' length or None,
+# window or None). The first is the Hugging Face Llama step's (bench_integrations.py --only hf); the packed and windowed
+# ones are fl.varlen_attention over 16K tokens.
+ROUTING_CASES = [
+    (4, 16, 4, 2048, 128, True, None, None), (1, 16, 4, 2048, 128, True, None, None),
+    (16, 32, 32, 1024, 64, True, None, None), (16, 16, 16, 1024, 128, True, None, None),
+    (8, 32, 32, 1024, 64, False, None, None), (8, 16, 16, 1024, 128, False, None, None),
+    (2, 16, 16, 1024, 128, False, None, None), (32, 32, 32, 512, 64, False, None, None),
+    (1, 16, 16, 512, 128, True, None, None), (1, 32, 8, 256, 64, False, None, None),
+    (16, 8, 8, 1024, 256, True, None, None), (4, 8, 8, 1024, 256, False, None, None),
+    (1, 16, 16, 16384, 128, True, 128, None), (1, 16, 16, 16384, 128, True, 512, None),
+    (1, 32, 32, 16384, 64, True, 128, None), (1, 32, 32, 16384, 64, True, 512, None),
+    (1, 16, 16, 16384, 128, True, None, 256), (1, 32, 32, 16384, 64, True, None, 256),
+]
+
+
+def gpu_and_wall_ms(fn, calls: int = 10) -> tuple[float, float]:
+    """(the kernels' time a call, summed by torch.profiler over ``calls``; wall time a call, 2 * ``calls`` back to
+    back after as many to warm up). The first is what a training step pays, its host running ahead of the GPU; the
+    second is the host's time where it is larger."""
+    for _ in range(2 * calls):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(2 * calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / (2 * calls) * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(kernels) / 1e3 / calls, wall
+
+
+def _routing_call(b, h, h_kv, length, d, causal, doc, window):
+    """A forward+backward of ``fl`` and of the peer (cuDNN; torch's flash at D256, where cuDNN has no backward) on
+    one set of inputs: (fl's, the peer's or None, its forward flops)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fusedlayers.backend import keys_per_row
+
+    q = torch.randn(b, h, length, d, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, length, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    flops = 4.0 * b * h * length * d * keys_per_row(doc or length, causal, (window or -1, 0 if window else -1))
+    if doc is None and window is None:
+        def ours():
+            return torch.autograd.grad(fl.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                                       (q, k, v), do)
+
+        def peer():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if d <= 128 else SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return torch.autograd.grad(out, (q, k, v), do)
+
+        return ours, peer, flops
+    q, k, v, do = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v, do))
+    cu = torch.arange(0, length + 1, doc or length, device=DEVICE, dtype=torch.int32)
+    span = doc or length
+
+    def ours():
+        out = fl.varlen_attention(q, k, v, cu, cu, span, span, is_causal=causal,
+                                  window_size=(window, 0) if window else (-1, -1))
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    return ours, None, flops
+
+
+def routing_table(out_path):
+    """The Hopper (Gluon) kernels against the Triton kernels on calls around MIN_FLOPS, by GPU time and by wall time:
+    the evidence for the threshold (docs/attention.md)."""
+    lines = ["| B H H_kv L D causal | packed / window | log2 flops | GPU ms: Gluon | Triton | peer | Triton / Gluon | "
+             "Gluon / peer | wall ms: Gluon | Triton | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    min_flops = hopper.MIN_FLOPS
+    for b, h, h_kv, length, d, causal, doc, window in ROUTING_CASES:
+        ours, peer, flops = _routing_call(b, h, h_kv, length, d, causal, doc, window)
+        hopper.MIN_FLOPS = 0
+        gluon = gpu_and_wall_ms(ours)
+        hopper.MIN_FLOPS, hopper.enabled = min_flops, False
+        try:
+            triton_ = gpu_and_wall_ms(ours)
+        finally:
+            hopper.enabled = True
+        other = gpu_and_wall_ms(peer)[0] if peer else None
+        runs = "Gluon" if flops >= min_flops else "Triton"
+        extra = f"documents of {doc}" if doc else f"window {window}" if window else "-"
+        lines.append(f"| {b} {h} {h_kv} {length} {d} {'yes' if causal else 'no'} | {extra} | {math.log2(flops):.1f} | "
+                     f"{gluon[0]:.3f} | {triton_[0]:.3f} | {f'{other:.3f}' if other else 'n/a'} | "
+                     f"{triton_[0] / gluon[0]:.2f} | {f'{other / gluon[0]:.2f}' if other else 'n/a'} | "
+                     f"{gluon[1]:.3f} | {triton_[1]:.3f} | {runs} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    header = (f"# Hopper attention kernels around MIN_FLOPS on {torch.cuda.get_device_name()}\n\n"
+              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
+              f"{platform.python_version()}. bf16 forward+backward (`torch.autograd.grad`); GPU ms: the kernels' "
+              "time a call, summed by torch.profiler over 10 calls; wall ms: 20 calls back to back (host-bound "
+              "where it exceeds the GPU time). Peer: cuDNN (torch's flash at D256); packed documents and windows "
+              "are fl.varlen_attention over 16K tokens (no peer). runs: the kernels that MIN_FLOPS = "
+              f"2**{min_flops.bit_length() - 1} gives the call.\n\n")
+    report(header + "\n".join(lines) + "\n", out_path)
 
 
 # ----------------------------------------------------------------------------- config sweep
@@ -401,6 +512,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="time every row this many times, interleaved; keep the best")
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compiles take minutes)")
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
+    ap.add_argument("--routing", action="store_true", help="the Hopper kernels against the Triton kernels around "
+                    "MIN_FLOPS, by GPU time and wall time")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--head-dims", default="64,128,256", help="the table's head dims, e.g. 64,128 (each D's rows take "
                     "minutes)")
@@ -415,6 +528,9 @@ def main():
 
         out = args.out or (os.path.join(args.out_dir, f"{device_tag()}-varlen_attention.md") if args.out_dir else None)
         masks_table(out)
+        return
+    if args.routing:
+        routing_table(args.out)
         return
     if args.sweep_at:
         sweep([], args.workers, at=tuple(int(x) for x in args.sweep_at.split(",")))
