@@ -81,11 +81,11 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 # Smaller calls keep the Triton kernels. The choice is by GPU time, as in a training step, where the host runs ahead
 # of the GPU: from 2**29 to 2**37 flops (dense D64/D128/D256 causal and not, GQA, packed documents of 128-1024
 # tokens, windows of 128-512 keys) the Triton kernels' forward+backward took 1.00-1.73x the Gluon kernels' GPU time
-# (H200, 2026-11-29; benchmarks/results/h100-attention-experiments.md, section "MIN_FLOPS"), and the Hugging Face
-# Llama step at B 4, L 2K (2**36 a call) ran 1.04x faster on them. A call alone is host-bound below about 2**37
-# (either path spends about 1 ms of host time on a forward+backward, the Gluon path 0.1-0.4 ms more), which is what
-# do_bench times there; below 2**34 (under 0.2 ms of GPU time) the host's cost decides, and the Triton path's is the
-# smaller.
+# (H200, 2026-11-29; `bench_scaled_dot_product_attention.py --routing`; h100-attention-experiments.md, "MIN_FLOPS"),
+# and the Hugging Face Llama step at B 4, L 2K (2**36 a call) ran 1.04x faster on them. A call alone is host-bound
+# below about 2**37 (either path spends about 1 ms of host time on a forward+backward, the Gluon path 0.1-0.4 ms
+# more), which is what do_bench times there; below 2**34 (under 0.2 ms of GPU time) the host's cost decides, and the
+# Triton path's is the smaller.
 MIN_FLOPS = 2**34
 # The forwards deal causal tiles in groups of this many heads, the longest rows of a group first (``_causal_order``):
 # 1.03-1.10x one head at a time at D128 L 2K-16K (H100; the warp-specialized forward; D64's one-warpgroup forward
