@@ -1170,8 +1170,8 @@ if gluon is not None:
         if STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale,
-                                     WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
+                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
@@ -1219,13 +1219,14 @@ if gluon is not None:
     @gluon.jit
     def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
                         do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
-                        total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-                        DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                        STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
-        """Two steps (a, b) an iteration: b's S^T and dP^T are issued behind a's dV, so that P_b forms while dP_b,
-        dQ_a and dK_a run. Every product is waited for before the loop's back-edge (a product in flight across it,
-        with a wait(N > 0) read in the loop, makes ptxas serialize every wgmma). An odd last step b runs on a's
-        buffers with an infinite logsumexp (P = dS = 0), its dQ_part not added."""
+                        total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                        DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
+                        a_layout: gl.constexpr):
+        """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
+        dP^T are issued behind a's dV, so that P_b forms while dP_b, dQ_a and dK_a run. Every product is waited for
+        before the loop's back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas
+        serialize every wgmma). An odd last step b runs on a's buffers with an infinite logsumexp (P = dS = 0), its
+        dQ_part not added."""
         dtype: gl.constexpr = q_smem.dtype
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for j in range(gl.cdiv(total, 2)):
@@ -1242,8 +1243,8 @@ if gluon is not None:
             do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, cap_scale, BLOCK_M, KEYS,
-                                     CAUSAL, INTERVALS, SOFTCAP, col_s, a_layout)
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
+                                     False, False, col_s, a_layout)
             ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(0))
@@ -1259,8 +1260,8 @@ if gluon is not None:
             lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             dv, s_t = warpgroup_mma_wait(num_outstanding=3, deps=(dv, s_t))
             mbarrier.arrive(do_empty.index(buf_a))
-            p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
-                                   SOFTCAP, dtype, col_s, a_layout)
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
+                                   col_s, a_layout)
             delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
