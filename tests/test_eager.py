@@ -82,6 +82,27 @@ def test_no_grad_calls_the_body_without_a_graph():
     torch.testing.assert_close(y, torch.softmax(x, -1), rtol=0, atol=1e-6)
 
 
+def test_non_differentiable_outputs_get_no_zero_filled_gradient(monkeypatch):
+    """An output the op marks non-differentiable (attention's logsumexp) reaches its backward as None, not as a
+    zero-filled tensor that costs an allocation and a launch; the gradients are the same."""
+    from fusedlayers.ops import scaled_dot_product_attention as ops
+
+    op = ops.scaled_dot_product_attention
+    backward, setup_context = _eager._AUTOGRAD[op]
+    seen = []
+
+    def recording(ctx, grad_out, grad_lse):
+        seen.append(grad_lse)
+        return backward(ctx, grad_out, grad_lse)
+
+    monkeypatch.setitem(_eager._AUTOGRAD, op, (recording, setup_context))
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    fl.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert seen == [None]
+    expected = torch.autograd.grad(F.scaled_dot_product_attention(q, q, q).sum(), q)[0]
+    torch.testing.assert_close(q.grad, expected)
+
+
 def test_functorch_transforms_take_the_op():
     x = torch.randn(4, 3, 5)  # vmap runs the op through the dispatcher's batching fallback, per sample
     torch.testing.assert_close(torch.vmap(fl.softmax)(x), torch.softmax(x, -1), rtol=0, atol=1e-6)

@@ -931,7 +931,8 @@ def test_triton_kernels_negative_scale(dtype):
 @pytest.mark.parametrize("D", [64, 128])
 def test_one_pass_statistics_kernel(D):
     """The pass before the Hopper one-pass backward (runs here in the interpreter): per row the base-2 logsumexp and
-    delta = rowsum(dO * O), rows padded to whole query blocks (+inf and 0 there: P = 0), from (B, T, H, D) strides."""
+    delta = rowsum(dO * O), rows padded to whole query blocks (+inf and 0 there: P = 0), from (B, T, H, D) strides;
+    and zeros in every row of the fp32 dQ the one pass adds into, none past its end."""
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
     B, H, L, l_pad = 2, 3, 70, 128
@@ -939,12 +940,14 @@ def test_one_pass_statistics_kernel(D):
     lse = torch.randn(B, H, L)
     lse[0, 1, 5] = float("inf")  # a row that sees no key
     stats = torch.full((2, B * H, l_pad), float("nan"))
-    K.launch(K._bwd_preprocess_kernel, (l_pad // 64, B * H), out, grad_out, stats[1], lse, stats[0], *out.stride(),
-             *grad_out.stride(), H, L, D, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
+    dq32 = torch.full((B * H * L * D + 1,), float("nan"))  # one element past the rows: must stay as it is
+    K.launch(K._bwd_preprocess_kernel, (l_pad // 64, B * H), out, grad_out, stats[1], lse, stats[0], dq32,
+             *out.stride(), *grad_out.stride(), H, L, D, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
     delta = (out.float() * grad_out.float()).sum(-1).reshape(B * H, L)
     torch.testing.assert_close(stats[1, :, :L], delta, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[0, :, :L], lse.reshape(B * H, L) * K.LOG2E)
     assert (stats[1, :, L:] == 0).all() and (stats[0, :, L:] == float("inf")).all()
+    assert (dq32[:-1] == 0).all() and dq32[-1].isnan()
 
 
 if INTERPRETER:
@@ -1921,6 +1924,36 @@ def _check_kernel_parameters(launches, hopper) -> dict:
             if key in meta:
                 meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
     return meta_seen
+
+
+def test_hopper_descriptors_equal_tritons_and_keep_no_tensor_alive():
+    """The Hopper launchers' TMA descriptors (Triton's checks run once per block shape and layout, not per call) have
+    the fields of Triton's own for each call's tensor, and the table of checked fields keeps no tensor alive."""
+    import weakref
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    for B, H, D in [(2, 3, 64), (1, 4, 128)]:
+        for L in (70, 256):  # the first call fills the table, the second reads it
+            shape = (B, H, L, D)
+            t = torch.randn(B, L, H, D, dtype=torch.bfloat16).transpose(1, 2)
+            desc = hopper._descriptor(t, 64)
+            strides = [s if n > 1 else shape[-1] for n, s in zip(t.shape, t.stride(), strict=True)]  # any, size 1
+            expected = TensorDescriptor(t, list(t.shape), strides, [1, 1, 64, shape[-1]],
+                                        hopper._shared_layout(64, shape[-1], t.dtype))
+            assert type(desc) is TensorDescriptor and desc.base is t
+            assert {**vars(desc), "base": None} == {**vars(expected), "base": None}
+    alive = weakref.ref(t)
+    del t, desc, expected
+    assert alive() is None
+    assert hopper._tma_compatible(torch.empty(2, 3, 8, 64)) and hopper._tma_compatible(torch.empty(1, 3, 1, 8)[:, :1])
+    assert not hopper._tma_compatible(torch.empty(2, 3, 8, 64)[..., ::2])  # last dim not contiguous
+    assert not hopper._tma_compatible(torch.empty(2, 3, 8, 66)[..., :64])  # rows 264 bytes apart
+    assert not hopper._tma_compatible(torch.empty(2 * 3 * 8 * 64 + 1)[1:].view(2, 3, 8, 64))  # base not aligned
 
 
 def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):

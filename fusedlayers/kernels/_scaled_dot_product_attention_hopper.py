@@ -129,9 +129,16 @@ def _flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool, keys_per_row: floa
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
-    outer = zip(t.shape[:-1], t.stride()[:-1], strict=True)
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(n == 1 or (s > 0 and s * t.element_size() % 16 == 0) for n, s in outer))
+    """Whether the TMA can read t: a contiguous last dim, the base and every other stride 16-byte aligned (a size-1
+    dim's stride is never used)."""
+    strides = t.stride()
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return False
+    size = t.element_size()
+    for n, s in zip(t.shape[:-1], strides[:-1], strict=True):  # a loop, not all(...): on every call's host path
+        if n != 1 and (s <= 0 or s * size % 16):
+            return False
+    return True
 
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -140,7 +147,29 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     shape = list(t.shape)
     strides = [s if n > 1 else t.shape[-1] for n, s in zip(shape, t.stride(), strict=True)]
     block = [1, 1, block_rows, shape[-1]]
-    return TensorDescriptor(t, shape, strides, block, _shared_layout(block_rows, shape[-1], t.dtype))
+    return _new_descriptor(t, shape, strides, block, _shared_layout(block_rows, shape[-1], t.dtype))
+
+
+# (block shape, layout) -> the fields of a descriptor Triton checked, but its base
+_DESCRIPTOR_FIELDS: dict = {}
+
+
+def _new_descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block: list[int],
+                    layout) -> TensorDescriptor:
+    """``TensorDescriptor(base, shape, strides, block, layout)`` with Triton's checks run once per block shape and
+    layout: they cost about 6 us a descriptor on an H200's host, ten descriptors a forward+backward. What they check
+    of each call's tensor (a 16-byte aligned base and strides, a contiguous last dim, no empty dim) the callers
+    checked first (``_tma_compatible``, the launchers' early returns)."""
+    key = (*block, layout)
+    fields = _DESCRIPTOR_FIELDS.get(key)
+    if fields is None:
+        desc = TensorDescriptor(base, shape, strides, block, layout)
+        _DESCRIPTOR_FIELDS[key] = {**vars(desc), "base": None}  # no reference to the tensor kept
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(fields)
+    desc.base, desc.shape, desc.strides = base, shape, strides
+    return desc
 
 
 @functools.cache
@@ -1012,19 +1041,18 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
             and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
-def attention_backward(q, k, v, grad_out, stats, is_causal: bool, qk_scale: float, scale: float,
+def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale: float, scale: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
-    in the padding rows) and delta (0 there)."""
+    in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
     l_pad = stats.shape[-1]
-    dq32 = torch.zeros((B * H, L, D), dtype=torch.float32, device=q.device)
-    dq_desc = TensorDescriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
-    stats_desc = TensorDescriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
+    dq_desc = _new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
+    stats_desc = _new_descriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),

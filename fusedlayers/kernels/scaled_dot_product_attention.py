@@ -429,12 +429,13 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    Out, DO, Delta, Lse, Lse2, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
-    H, L, DV, L_PAD, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, LSE2: tl.constexpr,
+    Out, DO, Delta, Lse, Lse2, DQ32, stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm,
+    stride_gd, H, L, DV, L_PAD, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, LSE2: tl.constexpr,
 ):
     """delta[b * H + h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32), rows L_PAD apart (rows L..L_PAD: 0); LSE2:
-    also Lse2 = the logsumexp Lse (rows L apart) in base 2, rows L..L_PAD +inf (the one-pass backward's padded
-    statistics: P = 0 there)."""
+    also Lse2 = the logsumexp Lse (rows L apart) in base 2, rows L..L_PAD +inf, and zeros in the fp32 rows DQ32
+    (B * H, L, BLOCK_DV) (the one-pass backward's padded statistics, P = 0 in the padding, and the dQ it adds into;
+    zeroed here rather than by a fill of their own: one launch less on the host's path)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
     b = bh // H
@@ -450,6 +451,8 @@ def _bwd_preprocess_kernel(
     if LSE2:
         lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
         tl.store(Lse2 + row, lse * 1.4426950408889634, mask=offs_m < L_PAD)
+        dq_rows = (bh.to(tl.int64) * L + offs_m[:, None]) * BLOCK_DV + offs_d[None, :]
+        tl.store(DQ32 + dq_rows, tl.zeros((BLOCK_M, BLOCK_DV), tl.float32), mask=offs_m[:, None] < L)
 
 
 @triton.jit
@@ -1063,9 +1066,11 @@ def attention_backward(
         # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole query blocks
         l_pad = cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M
         stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=dev)
-        launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, stats[1], lse, stats[0],
+        lse2, delta = stats.unbind()
+        dq32 = torch.empty((B * H, L, D), dtype=torch.float32, device=dev)  # the preprocess zeroes it
+        launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, delta, lse, lse2, dq32,
                *out.stride(), *grad_out.stride(), H, L, DV, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
-        hopper.attention_backward(q, k, v, grad_out, stats, hopper_causal, qk_scale, scale, dq, dk, dv,
+        hopper.attention_backward(q, k, v, grad_out, stats, dq32, hopper_causal, qk_scale, scale, dq, dk, dv,
                                   hopper_intervals, cap_scale)
         return dq, dk, dv, ds
     bd, bdv = _head_block(D), _head_block(DV)
@@ -1100,7 +1105,7 @@ def attention_backward(
     elif not gluon_dq:
         pre_m = 64 if bdv <= 128 else 32
         launch(_bwd_preprocess_kernel, (cdiv(L, pre_m), B * H),
-            out, grad_out, delta, delta, delta, *out.stride(), *grad_out.stride(), H, L, DV, L, BLOCK_M=pre_m,
+            out, grad_out, delta, delta, delta, delta, *out.stride(), *grad_out.stride(), H, L, DV, L, BLOCK_M=pre_m,
             BLOCK_DV=bdv, LSE2=False,
         )
     if gluon_dq:

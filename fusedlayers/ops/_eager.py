@@ -126,6 +126,10 @@ class _EagerOp(torch.autograd.Function):
         output = _BODIES[op](*inputs)
         backward, setup_context = _AUTOGRAD[op]
         ctx.op_backward = backward
+        # outputs marked non-differentiable (a logsumexp, a norm's statistics) get None for a gradient rather than a
+        # zero-filled tensor: no op's backward reads them, and each fill is an allocation and a kernel launch on the
+        # backward's path
+        ctx._materialize_non_diff_grads = False
         setup_context(ctx, inputs, output)
         return output
 
