@@ -144,7 +144,9 @@ def scaled_dot_product_attention(
     try:
         if grouped:
             heads, kv_heads, v_heads = q_batch[-1], k_batch[-1], v_batch[-1]
-            batch = tuple(torch.broadcast_shapes(q_batch[:-1], k_batch[:-1], v_batch[:-1]))
+            outer = q_batch[:-1]  # equal outer dims, the usual call, skip broadcast_shapes (as below)
+            same = outer == k_batch[:-1] == v_batch[:-1]
+            batch = tuple(outer if same else torch.broadcast_shapes(outer, k_batch[:-1], v_batch[:-1]))
         else:  # equal batch dims, the usual call, skip broadcast_shapes (~20 us of host time)
             same = q_batch == k_batch == v_batch
             full = tuple(q_batch if same else torch.broadcast_shapes(q_batch, k_batch, v_batch))
