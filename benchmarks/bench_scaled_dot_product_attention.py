@@ -10,6 +10,7 @@ batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench
                                                             [--no-flex]
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
     python benchmarks/bench_scaled_dot_product_attention.py --routing [--out FILE]
+    python benchmarks/bench_scaled_dot_product_attention.py --host [--out FILE]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
@@ -20,6 +21,7 @@ are the peers.
 --masks: the masks SDPA cannot take (varlen, window, softcap) against FlexAttention, from bench_varlen_attention.py.
 --routing: the Hopper kernels against the Triton kernels on calls around their MIN_FLOPS, by GPU time (what a training
 step pays) and by wall time (what a call timed alone pays: the host's, for small calls).
+--host: the host's time of an eager forward+backward of small calls, ours (on either kernels) against torch's SDPA.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -290,6 +293,79 @@ def routing_table(out_path):
     report(header + "\n".join(lines) + "\n", out_path)
 
 
+# (B, H, H_kv, L, D, causal) of --host: calls whose GPU work (~30 us) is far below their host time
+HOST_CASES = [(1, 16, 4, 256, 128, True), (1, 12, 12, 256, 64, True)]
+
+
+def host_us(fns: dict, rounds: int = 5, calls: int = 500) -> dict:
+    """Host us a call of each function: ``calls`` back to back (the GPU idles, so the loop runs at the speed of the
+    host issuing them), ``rounds`` rounds interleaved across the functions; (best, median) each."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+
+
+def _routed(fn, gluon: bool):
+    """fn with fl's attention on the Hopper (Gluon) kernels whatever the call's size, or on the Triton kernels."""
+    def call():
+        min_flops, enabled = hopper.MIN_FLOPS, hopper.enabled
+        hopper.MIN_FLOPS, hopper.enabled = (0, True) if gluon else (min_flops, False)
+        try:
+            return fn()
+        finally:
+            hopper.MIN_FLOPS, hopper.enabled = min_flops, enabled
+    return call
+
+
+def host_table(out_path):
+    """The host's time of an eager forward+backward (``torch.autograd.grad``) of small calls: fl on the Gluon and on
+    the Triton kernels, torch's SDPA on cuDNN and on flash, and ``q * 2`` (autograd's floor)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lines = ["| B H H_kv L D causal | fl Gluon | fl Triton | cuDNN | flash | q * 2 |", "|---|---|---|---|---|---|"]
+    for b, h, h_kv, length, d, causal in HOST_CASES:
+        q = torch.randn(b, h, length, d, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        k, v = (torch.randn(b, h_kv, length, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+        do = torch.randn_like(q)
+
+        def ours():
+            out = fl.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return torch.autograd.grad(out, (q, k, v), do)
+
+        def sdpa(backend):
+            def call():
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                return torch.autograd.grad(out, (q, k, v), do)
+            return call
+
+        fns = {"gluon": _routed(ours, True), "triton": _routed(ours, False), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+               "flash": sdpa(SDPBackend.FLASH_ATTENTION), "floor": lambda: torch.autograd.grad(q * 2, q, do)}
+        if hopper.gluon is None or torch.cuda.get_device_capability()[0] != 9:  # no Gluon kernels here
+            fns.pop("gluon")
+        us = host_us(fns)
+        cells = [f"{us[name][0]:.0f} ({us[name][1]:.0f})" if name in us else "n/a"
+                 for name in ("gluon", "triton", "cudnn", "flash", "floor")]
+        lines.append(f"| {b} {h} {h_kv} {length} {d} {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    header = (f"# Host time of small attention calls on {torch.cuda.get_device_name()}\n\n"
+              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
+              f"{platform.python_version()}, {platform.processor() or platform.machine()} host. bf16, eager "
+              "forward+backward (`torch.autograd.grad`), us a call: best (median) of 5 interleaved rounds of 500 calls "
+              "back to back, a GPU work of ~30 us a call, so the host's time. fl Gluon: MIN_FLOPS switched off, fl "
+              "Triton: the Hopper kernels switched off.\n\n")
+    report(header + "\n".join(lines) + "\n", out_path)
+
+
 # ----------------------------------------------------------------------------- config sweep
 
 
@@ -514,6 +590,7 @@ def main():
     ap.add_argument("--masks", action="store_true", help="varlen, window and softcap against FlexAttention only")
     ap.add_argument("--routing", action="store_true", help="the Hopper kernels against the Triton kernels around "
                     "MIN_FLOPS, by GPU time and wall time")
+    ap.add_argument("--host", action="store_true", help="the host's time of small eager calls, ours and torch's")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--head-dims", default="64,128,256", help="the table's head dims, e.g. 64,128 (each D's rows take "
                     "minutes)")
@@ -531,6 +608,9 @@ def main():
         return
     if args.routing:
         routing_table(args.out)
+        return
+    if args.host:
+        host_table(args.out)
         return
     if args.sweep_at:
         sweep([], args.workers, at=tuple(int(x) for x in args.sweep_at.split(",")))
