@@ -293,7 +293,7 @@ def routing_table(out_path):
     report(header + "\n".join(lines) + "\n", out_path)
 
 
-# (B, H, H_kv, L, D, causal) of --host: calls whose GPU work (~30 us) is far below their host time
+# (B, H, H_kv, L, D, causal) of --host: calls whose GPU work is far below their host time
 HOST_CASES = [(1, 16, 4, 256, 128, True), (1, 12, 12, 256, 64, True)]
 
 
@@ -361,7 +361,7 @@ def host_table(out_path):
               f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
               f"{platform.python_version()}, {platform.processor() or platform.machine()} host. bf16, eager "
               "forward+backward (`torch.autograd.grad`), us a call: best (median) of 5 interleaved rounds of 500 calls "
-              "back to back, a GPU work of ~30 us a call, so the host's time. fl Gluon: MIN_FLOPS switched off, fl "
+              "back to back, GPU work far below the host's, so the host's time. fl Gluon: MIN_FLOPS switched off, fl "
               "Triton: the Hopper kernels switched off.\n\n")
     report(header + "\n".join(lines) + "\n", out_path)
 
