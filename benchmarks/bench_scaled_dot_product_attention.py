@@ -258,6 +258,18 @@ def _routing_call(b, h, h_kv, length, d, causal, doc, window):
     return ours, None, flops
 
 
+def _routed(fn, gluon: bool):
+    """fn with fl's attention on the Hopper (Gluon) kernels whatever the call's size, or on the Triton kernels."""
+    def call():
+        min_flops, enabled = hopper.MIN_FLOPS, hopper.enabled
+        hopper.MIN_FLOPS, hopper.enabled = (0, True) if gluon else (min_flops, False)
+        try:
+            return fn()
+        finally:
+            hopper.MIN_FLOPS, hopper.enabled = min_flops, enabled
+    return call
+
+
 def routing_table(out_path):
     """The Hopper (Gluon) kernels against the Triton kernels on calls around MIN_FLOPS, by GPU time and by wall time:
     the evidence for the threshold (docs/attention.md)."""
@@ -267,13 +279,7 @@ def routing_table(out_path):
     min_flops = hopper.MIN_FLOPS
     for b, h, h_kv, length, d, causal, doc, window in ROUTING_CASES:
         ours, peer, flops = _routing_call(b, h, h_kv, length, d, causal, doc, window)
-        hopper.MIN_FLOPS = 0
-        gluon = gpu_and_wall_ms(ours)
-        hopper.MIN_FLOPS, hopper.enabled = min_flops, False
-        try:
-            triton_ = gpu_and_wall_ms(ours)
-        finally:
-            hopper.enabled = True
+        gluon, triton_ = gpu_and_wall_ms(_routed(ours, True)), gpu_and_wall_ms(_routed(ours, False))
         other = gpu_and_wall_ms(peer)[0] if peer else None
         runs = "Gluon" if flops >= min_flops else "Triton"
         extra = f"documents of {doc}" if doc else f"window {window}" if window else "-"
@@ -312,18 +318,6 @@ def host_us(fns: dict, rounds: int = 5, calls: int = 500) -> dict:
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: (min(t), statistics.median(t)) for name, t in times.items()}
-
-
-def _routed(fn, gluon: bool):
-    """fn with fl's attention on the Hopper (Gluon) kernels whatever the call's size, or on the Triton kernels."""
-    def call():
-        min_flops, enabled = hopper.MIN_FLOPS, hopper.enabled
-        hopper.MIN_FLOPS, hopper.enabled = (0, True) if gluon else (min_flops, False)
-        try:
-            return fn()
-        finally:
-            hopper.MIN_FLOPS, hopper.enabled = min_flops, enabled
-    return call
 
 
 def host_table(out_path):
