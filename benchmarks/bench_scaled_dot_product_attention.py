@@ -11,6 +11,7 @@ batch * L = 16384, H * D = 2048, causal and not. Timing: triton.testing.do_bench
     python benchmarks/bench_scaled_dot_product_attention.py --masks [--out-dir benchmarks/results]
     python benchmarks/bench_scaled_dot_product_attention.py --routing [--out FILE]
     python benchmarks/bench_scaled_dot_product_attention.py --host [--out FILE]
+    python benchmarks/bench_scaled_dot_product_attention.py --kernels [--head-dims 64,128] [--out FILE]
 
 --sweep times candidate block configs of each kernel per (D, causal) first (compiled in parallel
 processes), prints the best, and runs the table with them. --sweep-at B,H,L,D times a wider set of
@@ -22,6 +23,8 @@ are the peers.
 --routing: the Hopper kernels against the Triton kernels on calls around their MIN_FLOPS, by GPU time (what a training
 step pays) and by wall time (what a call timed alone pays: the host's, for small calls).
 --host: the host's time of an eager forward+backward of small calls, ours (on either kernels) against torch's SDPA.
+--kernels: each kernel's GPU time in one forward+backward at the table's shapes from L = 2048, ours in both modes
+against cuDNN: where a row's time goes.
 """
 
 from __future__ import annotations
@@ -571,6 +574,66 @@ def table(best, out_path, quick, rounds):
         print(f"wrote {out_path}")
 
 
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its template and argument lists or cuDNN's common prefix."""
+    if name.startswith("cudnn_generated"):
+        return "cudnn " + name.removeprefix("cudnn_generated_fort_native_sdpa_")[:40]
+    return name.removeprefix("void ").split("(")[0].split("<")[0].rsplit("::", 1)[-1][:40].strip()
+
+
+def kernel_us(fn, calls: int = 10) -> dict:
+    """{kernel: GPU us a call}, summed by torch.profiler over ``calls`` back to back after 5 to warm up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = _kernel_name(e.name)
+            us[name] = us.get(name, 0.0) + e.device_time_total / calls
+    return us
+
+
+def _kernel_runs(d, length, causal) -> dict:
+    """{fl, fl-det, cudnn: kernel_us of its forward+backward} at one table shape."""
+    q, k, v = make(TOKENS // length, WIDTH // d, length, d, grad=True)
+    do = torch.randn_like(q)
+    runs = {}
+    for name in ("fl", "fl-det", "cudnn"):
+        f = attention(name)
+        with fl.use_deterministic_attention(name == "fl-det"):
+            runs[name] = kernel_us(lambda f=f: torch.autograd.grad(f(q, k, v, causal), (q, k, v), do))
+    return runs
+
+
+def kernels_table(out_path):
+    """Each kernel's GPU time in one forward+backward of fl (default and deterministic mode) and of torch's SDPA on
+    cuDNN, (B, H, L, D) leaves as in the table, from L = 2048."""
+    lines = ["| D | L | causal | run | GPU us | cuDNN / this | kernels (us a call) |", "|---|---|---|---|---|---|---|"]
+    for d in HEAD_DIMS:
+        for length in (2048, 4096, 16384):
+            for causal in (False, True):
+                runs = _kernel_runs(d, length, causal)
+                peer = sum(runs["cudnn"].values())
+                for name, us in runs.items():
+                    parts = ", ".join(f"{kernel} {t:.0f}" for kernel, t in sorted(us.items(), key=lambda kv: -kv[1]))
+                    lines.append(f"| {d} | {length} | {'yes' if causal else 'no'} | {name} | {sum(us.values()):.0f} | "
+                                 f"{peer / sum(us.values()):.2f} | {parts} |")
+                    print(lines[-1], flush=True)
+                torch.cuda.empty_cache()
+    header = (f"# Attention's kernels on {torch.cuda.get_device_name()}\n\n"
+              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
+              f"{platform.python_version()}. bf16 forward+backward (`torch.autograd.grad`), batch*L = 16384, H*D = "
+              "2048; each kernel's GPU time a call, summed by torch.profiler over 10 calls back to back (no cache "
+              "flush between calls, unlike the table's do_bench). fl-det: fl in deterministic mode; cudnn: torch's "
+              "SDPA pinned to cuDNN.\n\n")
+    report(header + "\n".join(lines) + "\n", out_path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results file (or --out-dir: <dir>/<device>-<op>.md)")
@@ -585,6 +648,8 @@ def main():
     ap.add_argument("--routing", action="store_true", help="the Hopper kernels against the Triton kernels around "
                     "MIN_FLOPS, by GPU time and wall time")
     ap.add_argument("--host", action="store_true", help="the host's time of small eager calls, ours and torch's")
+    ap.add_argument("--kernels", action="store_true", help="each kernel's GPU time a forward+backward, ours and "
+                    "cuDNN's")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--head-dims", default="64,128,256", help="the table's head dims, e.g. 64,128 (each D's rows take "
                     "minutes)")
@@ -605,6 +670,9 @@ def main():
         return
     if args.host:
         host_table(args.out)
+        return
+    if args.kernels:
+        kernels_table(args.out)
         return
     if args.sweep_at:
         sweep([], args.workers, at=tuple(int(x) for x in args.sweep_at.split(",")))
