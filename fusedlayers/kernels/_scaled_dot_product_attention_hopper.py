@@ -1026,7 +1026,6 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 # On key intervals or soft-capped 0.86-0.97x (their masks and tanh spill registers there); D128's registers do not
 # hold a second step's tiles (ptxas serializes every wgmma).
 ONE_PASS_STEP_PAIRS = (64,)
-STAGES_OVERRIDE = None  # experiment: the ring depth of the one pass, else 4 with step pairs, 2 without
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
@@ -1044,8 +1043,7 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
 
 def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale: float, scale: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                       intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0,
-                       no_dq: bool = False) -> None:
+                       intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
     in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ."""
@@ -1062,10 +1060,9 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=STAGES_OVERRIDE or (4 if pairs else 2), STEP_PAIRS=pairs, NO_DQ=no_dq, num_warps=4,
+        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, num_warps=4,
     )
-    if not no_dq:
-        _dq_scale(dq32, dq, scale)
+    _dq_scale(dq32, dq, scale)
 
 
 def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
@@ -1164,7 +1161,7 @@ if gluon is not None:
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, NO_DQ: gl.constexpr):
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part, a
         step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
@@ -1198,20 +1195,16 @@ if gluon is not None:
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
         mbarrier.wait(kv_bar, phase=0)
-        if STEP_PAIRS and NO_DQ:
-            dk, dv = _bwd_step_pairs_nodq(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
-                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
-                                          BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
-        elif STEP_PAIRS:
+        if STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
-                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, NO_DQ)
+                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, NO_DQ)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1221,7 +1214,7 @@ if gluon is not None:
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, NO_DQ: gl.constexpr):
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1233,30 +1226,22 @@ if gluon is not None:
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
                                      phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
                                      SOFTCAP, col_s, a_layout)
-            if NO_DQ:
-                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                mbarrier.arrive(do_empty.index(buf))
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                mbarrier.arrive(q_empty.index(buf))
-            else:
-                # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
-                # warpgroup a step ahead never overwrites what the other's dQ_part still reads
-                ds_buf = ds_smem.index(i % 2)
-                ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
-                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(i % 2))
-                mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
-                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                mbarrier.arrive(do_empty.index(buf))
-                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                mbarrier.arrive(q_empty.index(buf))
+            # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
+            # warpgroup a step ahead never overwrites what the other's dQ_part still reads
+            ds_buf = ds_smem.index(i % 2)
+            ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
+            dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(i % 2))
+            mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+            mbarrier.arrive(do_empty.index(buf))
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
@@ -1264,7 +1249,7 @@ if gluon is not None:
                         do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
                         total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr, NO_DQ: gl.constexpr):
+                        a_layout: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dQ_a and dK_a run. Every product is waited for
         before the loop's back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas
@@ -1324,50 +1309,6 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if valid_b:
                 _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS)
-        return dk, dv
-
-    @gluon.jit
-    def _bwd_step_pairs_nodq(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
-                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
-                             KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                             a_layout: gl.constexpr):
-        dtype: gl.constexpr = q_smem.dtype
-        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        for j in range(gl.cdiv(total, 2)):
-            ia = 2 * j
-            ib = ia + 1
-            valid_b = ib < total
-            buf_a = ia % STAGES
-            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-            m0_a = m_start + (ia % n_m) * BLOCK_M
-            m0_b = m_start + (ib % n_m) * BLOCK_M
-            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
-                                     False, False, col_s, a_layout)
-            dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
-            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
-            s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
-            dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
-            lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
-            dv, s_t = warpgroup_mma_wait(num_outstanding=2, deps=(dv, s_t))
-            mbarrier.arrive(do_empty.index(buf_a))
-            p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
-                                   col_s, a_layout)
-            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
-            ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-            mbarrier.arrive(q_empty.index(buf_a))
-            mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
-            mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
         return dk, dv
 
     @gluon.jit
@@ -1453,7 +1394,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, NO_DQ: gl.constexpr = False):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1488,12 +1429,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, NO_DQ)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, NO_DQ)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
         ], [4, 4], [240, 240])
 
 
