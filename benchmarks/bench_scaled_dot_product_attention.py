@@ -207,6 +207,30 @@ ROUTING_CASES = [
 ]
 
 
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its template and argument lists or cuDNN's common prefix."""
+    if name.startswith("cudnn_generated"):
+        return "cudnn " + name.removeprefix("cudnn_generated_fort_native_sdpa_")[:40]
+    return name.removeprefix("void ").split("(")[0].split("<")[0].rsplit("::", 1)[-1][:40].strip()
+
+
+def kernel_us(fn, calls: int = 10) -> dict:
+    """{kernel: GPU us a call}, summed by torch.profiler over ``calls`` back to back after 5 to warm up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = _kernel_name(e.name)
+            us[name] = us.get(name, 0.0) + e.device_time_total / calls
+    return us
+
+
 def gpu_and_wall_ms(fn, calls: int = 10) -> tuple[float, float]:
     """(the kernels' time a call, summed by torch.profiler over ``calls``; wall time a call, 2 * ``calls`` back to
     back after as many to warm up). The first is what a training step pays, its host running ahead of the GPU; the
@@ -219,12 +243,7 @@ def gpu_and_wall_ms(fn, calls: int = 10) -> tuple[float, float]:
         fn()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / (2 * calls) * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(kernels) / 1e3 / calls, wall
+    return sum(kernel_us(fn, calls).values()) / 1e3, wall
 
 
 def _routing_call(b, h, h_kv, length, d, causal, doc, window):
@@ -572,30 +591,6 @@ def table(best, out_path, quick, rounds):
         with open(out_path, "w") as f:
             f.write(header + "\n".join(lines) + "\n")
         print(f"wrote {out_path}")
-
-
-def _kernel_name(name: str) -> str:
-    """A kernel's name without its template and argument lists or cuDNN's common prefix."""
-    if name.startswith("cudnn_generated"):
-        return "cudnn " + name.removeprefix("cudnn_generated_fort_native_sdpa_")[:40]
-    return name.removeprefix("void ").split("(")[0].split("<")[0].rsplit("::", 1)[-1][:40].strip()
-
-
-def kernel_us(fn, calls: int = 10) -> dict:
-    """{kernel: GPU us a call}, summed by torch.profiler over ``calls`` back to back after 5 to warm up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    us: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = _kernel_name(e.name)
-            us[name] = us.get(name, 0.0) + e.device_time_total / calls
-    return us
 
 
 def _kernel_runs(d, length, causal) -> dict:
