@@ -1043,8 +1043,7 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
 
 def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale: float, scale: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                       intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0,
-                       stages: int | None = None, ds_buffers: int = 2) -> None:
+                       intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
     in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ."""
@@ -1061,7 +1060,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=stages or (4 if pairs else 2), STEP_PAIRS=pairs, DS_BUFFERS=ds_buffers, num_warps=4,
+        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, num_warps=4,
     )
     _dq_scale(dq32, dq, scale)
 
@@ -1158,12 +1157,11 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, kv_bar,
-                      q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, RowLo, RowHi, ColLo, ColHi,
+                      q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
-                      DS_BUFFERS: gl.constexpr):
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part, a
         step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
@@ -1204,19 +1202,19 @@ if gluon is not None:
                                      KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
-                                do_full, do_empty, ds_ready, ds_free, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
-                                masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DS_BUFFERS)
+                                do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
+                                b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
 
     @gluon.jit
     def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
-                   do_empty, ds_ready, ds_free, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
-                   total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
+                   qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DS_BUFFERS: gl.constexpr):
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1225,14 +1223,12 @@ if gluon is not None:
             m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            if DS_BUFFERS == 1:  # the other warpgroup's dQ_part of the last step has read the buffer
-                mbarrier.wait(ds_free, phase=(i & 1) ^ 1, pred=i > 0)
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
                                      phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
                                      SOFTCAP, col_s, a_layout)
             # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
             # warpgroup a step ahead never overwrites what the other's dQ_part still reads
-            ds_buf = ds_smem.index(i % DS_BUFFERS if DS_BUFFERS > 1 else i // total)
+            ds_buf = ds_smem.index(i % 2)
             ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
             dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
             fence_async_shared()
@@ -1243,8 +1239,6 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf))
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            if DS_BUFFERS == 1:
-                mbarrier.arrive(ds_free)
             _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
@@ -1400,7 +1394,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DS_BUFFERS: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
         """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1410,7 +1404,7 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, BLOCK_N, BLOCK_M], DS_LAYOUT)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1418,8 +1412,6 @@ if gluon is not None:
         do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ds_free, count=2)
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
@@ -1434,15 +1426,15 @@ if gluon is not None:
                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
                              BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, RowLo, RowHi, ColLo,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DS_BUFFERS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, RowLo, RowHi, ColLo,
+                             kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DS_BUFFERS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
         ], [4, 4], [240, 240])
 
 
