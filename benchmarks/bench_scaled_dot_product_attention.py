@@ -48,7 +48,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import report, round_order  # noqa: E402
+from timing import kernel_ms, kernel_us, report, round_order  # noqa: E402
 
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper  # noqa: E402
@@ -207,28 +207,17 @@ ROUTING_CASES = [
 ]
 
 
+def _run_line() -> str:
+    """The date and versions every results header starts with."""
+    return (f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
+            f"{platform.python_version()}")
+
+
 def _kernel_name(name: str) -> str:
     """A kernel's name without its template and argument lists or cuDNN's common prefix."""
     if name.startswith("cudnn_generated"):
         return "cudnn " + name.removeprefix("cudnn_generated_fort_native_sdpa_")[:40]
     return name.removeprefix("void ").split("(")[0].split("<")[0].rsplit("::", 1)[-1][:40].strip()
-
-
-def kernel_us(fn, calls: int = 10) -> dict:
-    """{kernel: GPU us a call}, summed by torch.profiler over ``calls`` back to back after 5 to warm up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    us: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = _kernel_name(e.name)
-            us[name] = us.get(name, 0.0) + e.device_time_total / calls
-    return us
 
 
 def gpu_and_wall_ms(fn, calls: int = 10) -> tuple[float, float]:
@@ -243,7 +232,7 @@ def gpu_and_wall_ms(fn, calls: int = 10) -> tuple[float, float]:
         fn()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / (2 * calls) * 1e3
-    return sum(kernel_us(fn, calls).values()) / 1e3, wall
+    return kernel_ms(fn, calls), wall
 
 
 def _routing_call(b, h, h_kv, length, d, causal, doc, window):
@@ -312,8 +301,7 @@ def routing_table(out_path):
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     header = (f"# Hopper attention kernels around MIN_FLOPS on {torch.cuda.get_device_name()}\n\n"
-              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
-              f"{platform.python_version()}. bf16 forward+backward (`torch.autograd.grad`); GPU ms: the kernels' "
+              f"{_run_line()}. bf16 forward+backward (`torch.autograd.grad`); GPU ms: the kernels' "
               "time a call, summed by torch.profiler over 10 calls; wall ms: 20 calls back to back (host-bound "
               "where it exceeds the GPU time). Peer: cuDNN (torch's flash at D256); packed documents and windows "
               "are fl.varlen_attention over 16K tokens (no peer). runs: the kernels that MIN_FLOPS = "
@@ -374,8 +362,7 @@ def host_table(out_path):
         lines.append(f"| {b} {h} {h_kv} {length} {d} {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     header = (f"# Host time of small attention calls on {torch.cuda.get_device_name()}\n\n"
-              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
-              f"{platform.python_version()}, {platform.processor() or platform.machine()} host. bf16, eager "
+              f"{_run_line()}, {platform.processor() or platform.machine()} host. bf16, eager "
               "forward+backward (`torch.autograd.grad`), us a call: best (median) of 5 interleaved rounds of 500 calls "
               "back to back, GPU work far below the host's, so the host's time. fl Gluon: MIN_FLOPS switched off, fl "
               "Triton: the Hopper kernels switched off.\n\n")
@@ -549,8 +536,7 @@ def table(best, out_path, quick, rounds):
                 memory.append((res["fl"][2] / res["flash"][2], d, causal))
     header = (
         f"# scaled_dot_product_attention on {torch.cuda.get_device_name()}\n\n"
-        f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"Python {platform.python_version()}. bf16, batch*L = {TOKENS}, H*D = {WIDTH}, random data, "
+        f"{_run_line()}. bf16, batch*L = {TOKENS}, H*D = {WIDTH}, random data, "
         f"triton.testing.do_bench median, the best of {rounds} interleaved rounds (each in a shuffled order). "
         "TFLOP/s: forward 4*B*H*L*S*D (halved when causal), forward+backward "
         "3.5x that. Peers are torch SDPA pinned to one backend with torch.nn.attention.sdpa_kernel, and "
@@ -601,7 +587,8 @@ def _kernel_runs(d, length, causal) -> dict:
     for name in ("fl", "fl-det", "cudnn"):
         f = attention(name)
         with fl.use_deterministic_attention(name == "fl-det"):
-            runs[name] = kernel_us(lambda f=f: torch.autograd.grad(f(q, k, v, causal), (q, k, v), do))
+            fwd_bwd = lambda f=f: torch.autograd.grad(f(q, k, v, causal), (q, k, v), do)  # noqa: E731
+            runs[name] = kernel_us(fwd_bwd, calls=10, warmup=5, name=_kernel_name)
     return runs
 
 
@@ -621,8 +608,7 @@ def kernels_table(out_path):
                     print(lines[-1], flush=True)
                 torch.cuda.empty_cache()
     header = (f"# Attention's kernels on {torch.cuda.get_device_name()}\n\n"
-              f"Date {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}, Python "
-              f"{platform.python_version()}. bf16 forward+backward (`torch.autograd.grad`), batch*L = 16384, H*D = "
+              f"{_run_line()}. bf16 forward+backward (`torch.autograd.grad`), batch*L = 16384, H*D = "
               "2048; each kernel's GPU time a call, summed by torch.profiler over 10 calls back to back (no cache "
               "flush between calls, unlike the table's do_bench). fl-det: fl in deterministic mode; cudnn: torch's "
               "SDPA pinned to cuDNN.\n\n")

@@ -40,13 +40,24 @@ def kernel_ms(fn, calls: int = 20) -> float:
     Leaves out the time the GPU waits for the CPU between kernels, which a wall-clock timer (do_bench) counts:
     where the host cannot issue the work as fast as the GPU runs it, the two differ, and this one is the
     device's share. Works where CUDA-graph capture does not (ops that sync with the host)."""
-    fn()
+    return sum(kernel_us(fn, calls).values()) / 1e3
+
+
+def kernel_us(fn, calls: int = 20, warmup: int = 1, name=lambda kernel: kernel) -> dict:
+    """{``name(kernel)``: its GPU us per call of ``fn``}, summed by torch.profiler over ``calls`` calls after
+    ``warmup`` (kernels whose names map to the same key add up)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+    us: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[name(e.name)] = us.get(name(e.name), 0.0) + e.device_time_total / calls
+    return us
 
 
 def round_order(items, round_: int) -> list:
