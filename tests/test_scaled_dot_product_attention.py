@@ -1173,16 +1173,17 @@ def test_cuda_fp32():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("hopper_backward", [True, False], ids=["default-kernels", "triton-kernels"])
-def test_cuda_deterministic_backward_and_memory(hopper_backward, monkeypatch):
-    """Asked for, the backward is bitwise reproducible: on Hopper's kernels and on the Triton ones, whose default
-    adds dQ atomically here (D128 bf16)."""
+@pytest.mark.parametrize(("hopper_backward", "D"), [(True, 128), (True, 64), (False, 128)],
+                         ids=["default-kernels", "default-kernels-D64", "triton-kernels"])
+def test_cuda_deterministic_backward_and_memory(hopper_backward, D, monkeypatch):
+    """Asked for, the backward is bitwise reproducible: on Hopper's kernels (D128 causal: dK/dV one-warpgroup; D64:
+    warp-specialized) and on the Triton ones, whose default adds dQ atomically here (D128 bf16)."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if not hopper_backward:
         monkeypatch.setattr(hopper, "backward_enabled", False)
         monkeypatch.setattr(hopper, "dq_enabled", False)
-    B, H, L, D = 1, 8, 4096, 128
+    B, H, L = 1, 8, 4096
     q, k, v, _ = make_inputs(B, H, 2, L, L, D, D, torch.bfloat16, device="cuda")
     grad = torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda")
     f = lambda q_, k_, v_, m_: fl.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
@@ -1797,7 +1798,8 @@ HOPPER_ONE_PASS_CASES = [
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_ONE_PASS_CASES])
 def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     """On Hopper the default (non-deterministic) backward of dense D64/D128 calls is one pass (dQ added by unordered
-    fp32 TMA reductions), the deterministic one the two passes: parity in both, and which kernels ran."""
+    fp32 TMA reductions), the deterministic one the two passes (dK/dV warp-specialized from its key floor): parity in
+    both, and which kernels ran."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1818,7 +1820,8 @@ def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     calls.clear()
     with fl.use_deterministic_attention(True):
         check_parity(q, k, v, None, causal)
-    assert set(calls) == {"attention_backward_dkdv", "attention_backward_dq"}
+    dkdv = "attention_backward" if hopper.ws_dkdv_applies(q, k, causal, True) else "attention_backward_dkdv"
+    assert set(calls) == {dkdv, "attention_backward_dq"}
 
 
 def test_hopper_warp_specialized_forward_routing(monkeypatch):
@@ -1890,7 +1893,7 @@ HOPPER_HOST_CASES = [
     (128, 4096, True, (1024, 0), 50.0),  # a narrow window (key intervals) with the cap: one-warpgroup forward
     (128, 4096, True, (2048, 0), 0.0),  # a wide one: warp-specialized on intervals
 ]
-HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ"}
+HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ", "Stats"}
 
 
 def _hopper_host_launches(K, monkeypatch_launches, exact_delta_too: bool):
@@ -1920,7 +1923,7 @@ def _check_kernel_parameters(launches, hopper) -> dict:
                 assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
             else:
                 assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
-        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "CAUSAL", "HEAD_DIM"):
+        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "STATS", "DQ", "CAUSAL", "HEAD_DIM"):
             if key in meta:
                 meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
     return meta_seen
@@ -1960,7 +1963,8 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     """CI has no Hopper GPU, so the Gluon kernels' host code runs here on CPU tensors with every launch recorded instead
     of run: through the op's launcher (kernels.attention_forward / attention_backward, the Hopper path forced on),
     each path (the one-warpgroup and warp-specialized forwards, persistent causal with its schedule, key intervals, the
-    soft-cap, dK/dV, dQ, the one-pass backward with each of these) passes each kernel exactly its parameters: the
+    soft-cap, dK/dV (one-warpgroup and warp-specialized), dQ, the one-pass backward with each of these) passes each
+    kernel exactly its parameters: the
     runtime ones by position (TMA descriptors, tensors, numbers where the kernel takes them), every constexpr by
     name."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
@@ -1985,9 +1989,17 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_fwd_ws", "SOFTCAP")] == meta_seen[("_attn_fwd_ws", "INTERVALS")] == {True, False}
     for name in ("_attn_fwd_hopper", "_attn_bwd_dkdv_hopper", "_attn_bwd_dq_hopper"):
         assert meta_seen[(name, "SOFTCAP")] == meta_seen[(name, "INTERVALS")] == {True, False}
-    assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == {True, False}
-    dq_first = [kernel.__name__ for kernel, _, _ in launches if "bwd" in kernel.__name__][:2]
-    assert dq_first == ["_attn_bwd_dq_hopper", "_attn_bwd_dkdv_hopper"]  # delta formed before dK/dV reads it
+    assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == meta_seen[("_attn_bwd_dq_hopper", "STATS")] == {
+        True, False}
+    assert meta_seen[("_attn_bwd_hopper", "DQ")] == {False}  # the warp-specialized dK/dV pass
+    # each dQ pass runs first: delta (with the stats layout's base-2 logsumexp) formed before dK/dV reads it; dK/dV
+    # warp-specialized on the dense cases at D64, and D128 not causal, from its key floor
+    gluon_bwd = [kernel.__name__ for kernel, _, _ in gluon_launches if "bwd" in kernel.__name__]
+    assert set(gluon_bwd[0::2]) == {"_attn_bwd_dq_hopper"}
+    ws_dkdv = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0
+               and (case[0] == 64 or not case[2]) and case[1] >= hopper.WS_DKDV_MIN_KEYS]
+    assert gluon_bwd[1::2].count("_attn_bwd_hopper") == len(ws_dkdv) == 2
+    assert gluon_bwd[1::2].count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) + 1 - len(ws_dkdv)
     # the default mode: the backward in one pass at D128 (not soft-capped) and at D64 from its key floor (its stats
     # and dQ kernels too), the others as above
     launches.clear()
@@ -2003,13 +2015,15 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_hopper", "CAUSAL")] == {True, False}
     assert meta_seen[("_attn_bwd_hopper", "HEAD_DIM")] == {64, 128}
     assert meta_seen[("_attn_bwd_hopper", "SOFTCAP")] == meta_seen[("_attn_bwd_hopper", "INTERVALS")] == {True, False}
+    assert meta_seen[("_attn_bwd_hopper", "DQ")] == {True}
 
 
 def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
     """The backward's launches on the Hopper path (recorded on CPU, as above) for each set of gradients asked for, in
     deterministic mode: where the Gluon dQ pass runs it goes first and forms delta (no delta kernel); without dQ the
-    delta kernel runs before dK/dV; the Gluon dK/dV needs both dK and dV asked for (else the Triton kernel). In the
-    default mode all three run in one pass."""
+    delta kernel runs before dK/dV; the Gluon dK/dV needs both dK and dV asked for (else the Triton kernel); from
+    WS_DKDV_MIN_KEYS keys it is warp-specialized, after a dQ pass that writes its statistics. In the default mode all
+    three run in one pass."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
@@ -2034,6 +2048,12 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
         with fl.use_deterministic_attention(True):
             K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
         assert launches == want, (need, launches)
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 256)
+    launches.clear()
+    with fl.use_deterministic_attention(True):
+        K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125,
+                             *(torch.empty_like(t) for t in (q, k, v)), None)
+    assert launches == [("_attn_bwd_dq_hopper", True), ("_attn_bwd_hopper", None)]
     # the default mode, all three gradients: one pass, after the pass that forms delta (and the base-2 logsumexp)
     monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
     launches.clear()
@@ -2054,32 +2074,71 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dkdv", ["one-warpgroup", "warp-specialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("case", HOPPER_BACKWARD_CASES,
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
-def test_cuda_hopper_backward(case, layout, dtype, monkeypatch):
+def test_cuda_hopper_backward(case, layout, dtype, dkdv, monkeypatch):
     """On an H100/H200 the plain 16-bit backward runs the Gluon dQ and dK/dV kernels in deterministic mode (D256 in
-    both modes): parity of every gradient, and no Triton backward kernel launched."""
+    both modes), the dK/dV one-warpgroup or (D64, D128 not causal) warp-specialized after a dQ pass that writes its
+    statistics: parity of every gradient, and no Triton backward kernel launched."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
     B, H, H_kv, L, S, D, causal = case
+    ws = dkdv == "warp-specialized"
+    if ws and not (D == 64 or (D == 128 and not causal)):
+        pytest.skip("the warp-specialized dK/dV pass is for D64 and D128 not causal")
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 0 if ws else float("inf"))
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
     if layout == "bthd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     names = launched_kernels(monkeypatch)
     calls = []
-    for kind in ("dkdv", "dq"):
-        gluon_kernel = getattr(hopper, f"attention_backward_{kind}")
-        monkeypatch.setattr(hopper, f"attention_backward_{kind}",
+    for kind in ("_dkdv", "_dq", ""):
+        gluon_kernel = getattr(hopper, f"attention_backward{kind}")
+        monkeypatch.setattr(hopper, f"attention_backward{kind}",
                             lambda *a, kind=kind, fn=gluon_kernel, **kw: (calls.append(kind), fn(*a, **kw)))
     with fl.use_deterministic_attention(True):
         check_parity(q, k, v, None, causal)
-    assert sorted(calls) == ["dkdv", "dq"]
+    assert sorted(calls) == (["", "_dq"] if ws else ["_dkdv", "_dq"])
     assert "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" not in names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 128])
+def test_cuda_hopper_dq_pass_writes_the_one_pass_statistics(D):
+    """The Gluon dQ pass, asked for the statistics the warp-specialized dK/dV pass reads, writes what the statistics
+    pass before the one pass writes (base-2 logsumexp, delta; +inf and 0 in the rows padding L to whole query
+    blocks), over every row, from (B, T, H, D) strides; and the same dQ as without them."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    B, H, L, S = 2, 3, 333, 200
+    q, k, v, out, grad_out = (torch.randn(B, T, H, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                              for T in (L, S, S, L, L))
+    lse = torch.randn(B, H, L, device="cuda") + 5.0
+    l_pad = -(-L // hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M
+    expected = torch.full((2, B * H, l_pad), float("nan"), device="cuda")
+    K.launch(K._bwd_preprocess_kernel, (l_pad // 64, B * H), out, grad_out, expected[1], lse, expected[0],
+             torch.empty(B * H * L * D, device="cuda"), *out.stride(), *grad_out.stride(), H, L, D, l_pad, BLOCK_M=64,
+             BLOCK_DV=D, LSE2=True)
+    stats = torch.full_like(expected, float("nan"))
+    delta = torch.empty(B, H, L, device="cuda")
+    dq, dq_stats = torch.empty_like(q), torch.empty_like(q)
+    hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, False, 0.125 * K.LOG2E, 0.125, dq, out=out)
+    hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, False, 0.125 * K.LOG2E, 0.125, dq_stats, out=out,
+                                 stats=stats)
+    assert torch.equal(stats[0], expected[0]) and (stats[0, :, L:] == float("inf")).all()
+    torch.testing.assert_close(stats[1], expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[1, :, :L], delta.reshape(B * H, L), rtol=0, atol=0)
+    assert (stats[1, :, L:] == 0).all()
+    assert torch.equal(dq_stats, dq)
 
 
 def test_hopper_backward_routing(monkeypatch):
@@ -2101,6 +2160,21 @@ def test_hopper_backward_routing(monkeypatch):
     monkeypatch.setattr(hopper, "_backward_applies", lambda *a: False)
     monkeypatch.setattr(hopper, "backward_enabled", True)
     assert passes(128, False) == (False, False)
+
+
+def test_hopper_deterministic_dkdv_routing(monkeypatch):
+    """Where the deterministic mode's dK/dV runs warp-specialized: dense calls at D64 (causal or not) and D128 not
+    causal, from WS_DKDV_MIN_KEYS keys; D128 causal, D256, key intervals or the soft-cap, fewer keys, or the switch
+    off: the one-warpgroup pass."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    def ws(d, causal, keys=hopper.WS_DKDV_MIN_KEYS, dense=True):
+        return hopper.ws_dkdv_applies(torch.empty(1, 1, 4, d), torch.empty(1, 1, keys, d), causal, dense)
+
+    assert ws(64, True) and ws(64, False) and ws(128, False) and ws(128, False, keys=16384)
+    assert not (ws(128, True) or ws(256, False) or ws(64, False, dense=False) or ws(64, True, keys=1024))
+    monkeypatch.setattr(hopper, "ws_dkdv_enabled", False)
+    assert not ws(64, False)
 
 
 @pytest.mark.cuda

@@ -1030,6 +1030,15 @@ ONE_PASS_STEP_PAIRS = (64,)
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
 one_pass_enabled = True  # False: the two passes (A/B timing)
+# The deterministic mode's dK/dV on dense calls: the one pass with its dQ work compiled out (``DQ`` off: no dS^T
+# store, no meeting of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two
+# 64-key consumers, whose gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Its dK/dV
+# kernel alone, against the one-warpgroup pass (H200, bf16, L 2K-16K, best of 3 rounds): D64 1.02-1.11x (step pairs,
+# 4 stages), D128 not causal 1.03-1.05x (3 stages), D128 causal 0.97-1.01x (left to the one-warpgroup pass).
+# Key intervals and the soft-cap were not measured there.
+WS_DKDV_STAGES = {64: 4, 128: 3}
+WS_DKDV_MIN_KEYS = 2048
+ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
@@ -1041,28 +1050,43 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
             and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
+def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, dense: bool) -> bool:
+    """Whether the deterministic mode's dK/dV runs warp-specialized (``attention_backward`` without dQ) rather than in
+    ``attention_backward_dkdv``: dense calls (no key intervals, no soft-cap) at D 64, and D 128 not causal, from
+    WS_DKDV_MIN_KEYS keys (``WS_DKDV_STAGES``)."""
+    D = q.shape[-1]
+    return (ws_dkdv_enabled and dense and D in WS_DKDV_STAGES and (D == 64 or not is_causal)
+            and k.shape[2] >= WS_DKDV_MIN_KEYS)
+
+
 def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale: float, scale: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                       dq: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor,
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
-    in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ."""
+    in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ. With
+    ``dq`` and ``dq32`` None, dK and dV alone, by the same producer and consumers (``ws_dkdv_applies``): no
+    unordered sums, so bitwise repeatable."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
     l_pad = stats.shape[-1]
-    dq_desc = _new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
     stats_desc = _new_descriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
+    with_dq = dq is not None
+    dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
+               if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
+    stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=4 if pairs else 2, STEP_PAIRS=pairs, num_warps=4,
+        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, num_warps=4,
     )
-    _dq_scale(dq32, dq, scale)
+    if with_dq:
+        _dq_scale(dq32, dq, scale)
 
 
 def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
@@ -1161,9 +1185,9 @@ if gluon is not None:
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
-        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and its share of each step's dQ_part, a
-        step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr):
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of each step's dQ_part,
+        a step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
@@ -1195,7 +1219,11 @@ if gluon is not None:
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
         mbarrier.wait(kv_bar, phase=0)
-        if STEP_PAIRS:
+        if STEP_PAIRS and not DQ:
+            dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
+                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
+                                          BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
+        elif STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
@@ -1204,7 +1232,7 @@ if gluon is not None:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1214,7 +1242,7 @@ if gluon is not None:
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1226,22 +1254,30 @@ if gluon is not None:
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
                                      phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
                                      SOFTCAP, col_s, a_layout)
-            # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
-            # warpgroup a step ahead never overwrites what the other's dQ_part still reads
-            ds_buf = ds_smem.index(i % 2)
-            ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
-            dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(i % 2))
-            mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
-            dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
-            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-            mbarrier.arrive(do_empty.index(buf))
-            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-            mbarrier.arrive(q_empty.index(buf))
+            if not DQ:
+                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                mbarrier.arrive(do_empty.index(buf))
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                mbarrier.arrive(q_empty.index(buf))
+            else:
+                # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
+                # warpgroup a step ahead never overwrites what the other's dQ_part still reads
+                ds_buf = ds_smem.index(i % 2)
+                ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
+                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(i % 2))
+                mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                mbarrier.arrive(do_empty.index(buf))
+                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
@@ -1309,6 +1345,51 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if valid_b:
                 _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+        return dk, dv
+
+    @gluon.jit
+    def _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
+                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
+                             KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
+                             a_layout: gl.constexpr):
+        """``_bwd_step_pairs`` without dQ: dK_a and dV_a issued before b's products, all waited for at the end."""
+        dtype: gl.constexpr = q_smem.dtype
+        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
+        for j in range(gl.cdiv(total, 2)):
+            ia = 2 * j
+            ib = ia + 1
+            valid_b = ib < total
+            buf_a = ia % STAGES
+            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
+            m0_a = m_start + (ia % n_m) * BLOCK_M
+            m0_b = m_start + (ib % n_m) * BLOCK_M
+            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
+                                     False, False, col_s, a_layout)
+            dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
+            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
+            lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
+            dv, s_t = warpgroup_mma_wait(num_outstanding=2, deps=(dv, s_t))
+            mbarrier.arrive(do_empty.index(buf_a))
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
+                                   col_s, a_layout)
+            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+            ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            mbarrier.arrive(q_empty.index(buf_a))
+            mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
+            mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
         return dk, dv
 
     @gluon.jit
@@ -1394,8 +1475,8 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr):
-        """One key block's dK, dV and its parts of dQ: a producer warpgroup (this program's 4 warps) and two
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr):
+        """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -1404,8 +1485,12 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        if DQ:
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        else:  # not read: the ring takes their 64 KB (D128)
+            ds_smem = q_smem
+            dq_smem = q_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1429,12 +1514,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ)),
         ], [4, 4], [240, 240])
 
 
@@ -1455,21 +1540,26 @@ dq_enabled = True  # False: the Triton dQ kernel (A/B timing)
 
 def attention_backward_dq(q, k, v, grad_out, lse, delta, is_causal: bool, qk_scale: float, scale: float,
                           dq: torch.Tensor, intervals: tuple[torch.Tensor, ...] | None = None,
-                          cap_scale: float = 0.0, out: torch.Tensor | None = None) -> None:
+                          cap_scale: float = 0.0, out: torch.Tensor | None = None,
+                          stats: torch.Tensor | None = None) -> None:
     """Writes dQ (any strides); arguments as ``attention_backward_dkdv``'s. With the forward's ``out`` (any strides)
     it also forms ``delta`` = rowsum(dO * O) of its query block and writes it, for the dK/dV pass after it: no
-    separate pass over O and dO (50 us of a 1 ms backward at 16K tokens, H*D = 2048, H100)."""
+    separate pass over O and dO (50 us of a 1 ms backward at 16K tokens, H*D = 2048, H100); with ``stats`` (and
+    ``out``), into ``stats`` instead, with the base-2 logsumexp, in the layout ``attention_backward`` reads."""
     B, H, L, D = q.shape
     S = k.shape[2]
     block_m, block_n, warps = _DQ_CONFIGS[D]
     grid = (cdiv(L, block_m), B * H)
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
+    if stats is not None:  # each program writes its block's rows, the padding's too
+        assert out is not None and block_m == ONE_PASS_BLOCK_M and stats.shape == (2, B * H, cdiv(L, block_m) * block_m)
     launch(_attn_bwd_dq_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
-        lse, delta, dq, out if out is not None else dq, row_lo, row_hi, *dq.stride(),
-        *(out.stride() if out is not None else (0, 0, 0, 0)), H, H // k.shape[1], L, S, qk_scale, scale, cap_scale,
+        lse, delta, dq, out if out is not None else dq, row_lo, row_hi, stats if stats is not None else lse,
+        *dq.stride(), *(out.stride() if out is not None else (0, 0, 0, 0)), H, H // k.shape[1], L, S,
+        B * H, stats.shape[-1] if stats is not None else 0, qk_scale, scale, cap_scale,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None,
-        SOFTCAP=cap_scale > 0.0, FORM_DELTA=out is not None,
+        SOFTCAP=cap_scale > 0.0, FORM_DELTA=out is not None, STATS=stats is not None,
         BH_GROUP=1, num_warps=warps,  # one head at a time (see CAUSAL_HEAD_GROUP)
     )
 
@@ -1498,17 +1588,19 @@ if gluon is not None:
         return p
 
     @gluon.jit
-    def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Out, RowLo, RowHi,
+    def _attn_bwd_dq_hopper(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Out, RowLo, RowHi, Stats,
                             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                             stride_ob, stride_oh, stride_om, stride_od,
-                            H, GROUP, L, S, qk_scale, scale, cap_scale,
+                            H, GROUP, L, S, BH, l_pad, qk_scale, scale, cap_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                            FORM_DELTA: gl.constexpr, BH_GROUP: gl.constexpr, num_warps: gl.constexpr):
+                            FORM_DELTA: gl.constexpr, STATS: gl.constexpr, BH_GROUP: gl.constexpr,
+                            num_warps: gl.constexpr):
         """One query block: S = Q K^T and dP = dO V^T for each key block, P = exp(S - lse), dS = P (dP - delta),
         dQ += dS K (dS from registers), block j-1's dQ product in flight while block j's S and dP are formed.
         SOFTCAP: as the dK/dV kernel's. FORM_DELTA: delta = rowsum(dO * O) formed here (O read once from Out) and
-        written to Delta for the dK/dV pass."""
+        written to Delta for the dK/dV pass, or (STATS) to Stats[1] and the base-2 logsumexp to Stats[0], (BH, l_pad)
+        each, padding rows included (+inf and 0 there)."""
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -1561,7 +1653,11 @@ if gluon is not None:
         if FORM_DELTA:  # rows past L: zero O (and dO, as the TMA reads them), so delta 0
             do_rows = do_smem.reshape([BLOCK_M, HEAD_DIM]).load(tile)
             delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do_rows.to(gl.float32), axis=1), row_s)
-            gl.store(Delta + bh.to(gl.int64) * L + offs_m, delta, mask=offs_m < L)
+            if STATS:
+                gl.store(Stats + bh.to(gl.int64) * l_pad + offs_m, lse2)
+                gl.store(Stats + (BH + bh).to(gl.int64) * l_pad + offs_m, delta)
+            else:
+                gl.store(Delta + bh.to(gl.int64) * L + offs_m, delta, mask=offs_m < L)
         # block 0 (every program has one: ``_query_block``): its dS, no dQ product before it
         mbarrier.wait(k_bar.index(0), phase=0)
         s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,

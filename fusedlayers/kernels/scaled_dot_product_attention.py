@@ -1049,8 +1049,9 @@ def attention_backward(
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
     lse = lse.contiguous()
     # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums where determinism is not
-    # asked for and it measured faster, else the two deterministic passes), else the Triton dK/dV
-    # kernel, which also adds dQ atomically where determinism is not asked for and that measured faster
+    # asked for and it measured faster, else the two deterministic passes, dK/dV warp-specialized on dense calls where
+    # that measured faster), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not
+    # asked for and that measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
@@ -1093,6 +1094,13 @@ def attention_backward(
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
                                      2 * B * H * L * S * D if plain and is_causal else None))
     gluon_dq = need_dq and not atomic_dq and BWD_DQ_CONFIG is None and hopper_dq
+    # dense calls: dK/dV by the warp-specialized pass, which reads the statistics the dQ pass writes in its layout
+    ws_dkdv = (gluon_dkdv and gluon_dq and not exact_delta
+               and hopper.ws_dkdv_applies(q, k, hopper_causal, plain and hopper_intervals is None))
+    stats = None
+    if ws_dkdv:
+        stats = torch.empty((2, B * H, cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M),
+                            dtype=torch.float32, device=dev)
     # delta: summed from P dP (exact_delta), or rowsum(dO * O) by a pass of its own unless the Gluon dQ pass,
     # which then runs first, forms it
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
@@ -1110,14 +1118,16 @@ def attention_backward(
         )
     if gluon_dq:
         hopper.attention_backward_dq(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dq,
-                                     hopper_intervals, cap_scale, out=None if exact_delta else out)
+                                     hopper_intervals, cap_scale, out=None if exact_delta else out, stats=stats)
     tma_dq = atomic_dq and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     dq32 = delta
     if tma_dq:
         dq32 = torch.zeros((B * H, L, bd), dtype=torch.float32, device=dev)
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
-    if gluon_dkdv:
+    if ws_dkdv:
+        hopper.attention_backward(q, k, v, grad_out, stats, None, hopper_causal, qk_scale, scale, None, dk, dv)
+    elif gluon_dkdv:
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dk, dv,
                                        hopper_intervals, cap_scale)
     elif need_dk or need_dv or need_dmask:
