@@ -1580,7 +1580,7 @@ def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
     dK/dV and dQ in deterministic mode)."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
-                              gluon_forward_kernels(ws), case[5], case[9] > 0)
+                              gluon_forward_kernels(ws), case[5], case[9] > 0, intervals=True, causal=case[6])
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
@@ -1603,7 +1603,7 @@ def test_cuda_hopper_softcap(case, dtype, monkeypatch):
     pass, or dQ and dK/dV in deterministic mode); parity of the output and every gradient."""
     calls = gluon_kernel_calls(monkeypatch)
     check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
-                              gluon_forward_kernels(False), case[5], case[9] > 0)
+                              gluon_forward_kernels(False), case[5], case[9] > 0, intervals=False, causal=case[6])
 
 
 # D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window) and backward
@@ -1629,14 +1629,16 @@ def test_cuda_hopper_d256(case, dtype, ws, monkeypatch):
 
 def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
     """The Hopper (Gluon) kernels called from now on, by launcher name (the warp-specialized forward's as well), with
-    MIN_FLOPS and the one-pass backward's D64 floor off (test shapes are small) and key intervals on the
-    warp-specialized forward or not (whatever their width); skips the test on other GPUs."""
+    MIN_FLOPS, the one-pass backward's D64 floor and the warp-specialized dK/dV's key floor off (test shapes are
+    small) and key intervals on the warp-specialized forward or not (whatever their width); skips the test on other
+    GPUs."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
     monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 0)
     min_keys = 0 if ws_on_intervals else float("inf")
     monkeypatch.setattr(hopper, "_WS_INTERVAL_CONFIGS",
                         {d: (*config[:3], min_keys) for d, config in hopper._WS_INTERVAL_CONFIGS.items()})
@@ -1660,22 +1662,26 @@ def gluon_forward_kernels(ws_on_intervals: bool) -> set[str]:
     return {"attention_forward"} | ({"_forward_warp_specialized"} if ws_on_intervals else set())
 
 
-def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool) -> set[str]:
+def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool, intervals: bool, causal: bool) -> set[str]:
     """The Gluon backward launchers a call runs: one pass at head dims 64 and 128 (not soft-capped at 128) unless
-    bitwise repeatable gradients are asked for, else dK/dV and dQ."""
+    bitwise repeatable gradients are asked for, else dQ and dK/dV, the latter warp-specialized (the one-pass
+    launcher) without key intervals at D64, and at D128 neither causal nor soft-capped."""
     if not deterministic and (D == 64 or (D == 128 and not softcap)):
         return {"attention_backward"}
-    return {"attention_backward_dkdv", "attention_backward_dq"}
+    ws_dkdv = not intervals and (D == 64 or (D == 128 and not softcap and not causal))
+    return {"attention_backward" if ws_dkdv else "attention_backward_dkdv", "attention_backward_dq"}
 
 
-def check_gluon_in_both_modes(check, calls: list[str], forward: set[str], D: int, softcap: bool) -> None:
+def check_gluon_in_both_modes(check, calls: list[str], forward: set[str], D: int, softcap: bool,
+                              intervals: bool, causal: bool) -> None:
     """``check`` (a parity check) in the default mode, then in the deterministic one: each ran the forward launchers
     ``forward`` and the backward ones of its mode (``gluon_backward_kernels``)."""
     for deterministic in (False, True):
         calls.clear()
         with fl.use_deterministic_attention(deterministic):
             check()
-        assert set(calls) == forward | gluon_backward_kernels(D, deterministic, softcap), deterministic
+        assert set(calls) == forward | gluon_backward_kernels(D, deterministic, softcap, intervals,
+                                                                                   causal), deterministic
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),
@@ -1820,7 +1826,7 @@ def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     calls.clear()
     with fl.use_deterministic_attention(True):
         check_parity(q, k, v, None, causal)
-    dkdv = "attention_backward" if hopper.ws_dkdv_applies(q, k, causal, True) else "attention_backward_dkdv"
+    dkdv = "attention_backward" if hopper.ws_dkdv_applies(q, k, causal, False, False) else "attention_backward_dkdv"
     assert set(calls) == {dkdv, "attention_backward_dq"}
 
 
@@ -1993,12 +1999,12 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
         True, False}
     assert meta_seen[("_attn_bwd_hopper", "DQ")] == {False}  # the warp-specialized dK/dV pass
     # each dQ pass runs first: delta (with the stats layout's base-2 logsumexp) formed before dK/dV reads it; dK/dV
-    # warp-specialized on the dense cases at D64, and D128 not causal, from its key floor
+    # warp-specialized without key intervals at D64, and D128 neither causal nor soft-capped, from its key floor
     gluon_bwd = [kernel.__name__ for kernel, _, _ in gluon_launches if "bwd" in kernel.__name__]
     assert set(gluon_bwd[0::2]) == {"_attn_bwd_dq_hopper"}
-    ws_dkdv = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[4] == 0.0
-               and (case[0] == 64 or not case[2]) and case[1] >= hopper.WS_DKDV_MIN_KEYS]
-    assert gluon_bwd[1::2].count("_attn_bwd_hopper") == len(ws_dkdv) == 2
+    ws_dkdv = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[1] >= hopper.WS_DKDV_MIN_KEYS
+               and (case[0] == 64 or (not case[2] and case[4] == 0.0))]
+    assert gluon_bwd[1::2].count("_attn_bwd_hopper") == len(ws_dkdv) == 3
     assert gluon_bwd[1::2].count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) + 1 - len(ws_dkdv)
     # the default mode: the backward in one pass at D128 (not soft-capped) and at D64 from its key floor (its stats
     # and dQ kernels too), the others as above
@@ -2163,16 +2169,18 @@ def test_hopper_backward_routing(monkeypatch):
 
 
 def test_hopper_deterministic_dkdv_routing(monkeypatch):
-    """Where the deterministic mode's dK/dV runs warp-specialized: dense calls at D64 (causal or not) and D128 not
-    causal, from WS_DKDV_MIN_KEYS keys; D128 causal, D256, key intervals or the soft-cap, fewer keys, or the switch
-    off: the one-warpgroup pass."""
+    """Where the deterministic mode's dK/dV runs warp-specialized: calls without key intervals at D64 (causal or not,
+    soft-capped or not) and D128 neither causal nor soft-capped, from WS_DKDV_MIN_KEYS keys; D128 causal or
+    soft-capped, D256, key intervals, fewer keys, or the switch off: the one-warpgroup pass."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-    def ws(d, causal, keys=hopper.WS_DKDV_MIN_KEYS, dense=True):
-        return hopper.ws_dkdv_applies(torch.empty(1, 1, 4, d), torch.empty(1, 1, keys, d), causal, dense)
+    def ws(d, causal, keys=hopper.WS_DKDV_MIN_KEYS, intervals=False, softcap=False):
+        return hopper.ws_dkdv_applies(torch.empty(1, 1, 4, d), torch.empty(1, 1, keys, d), causal, intervals, softcap)
 
     assert ws(64, True) and ws(64, False) and ws(128, False) and ws(128, False, keys=16384)
-    assert not (ws(128, True) or ws(256, False) or ws(64, False, dense=False) or ws(64, True, keys=1024))
+    assert ws(64, True, softcap=True) and ws(64, False, softcap=True)
+    assert not (ws(128, True) or ws(256, False) or ws(64, True, keys=1024) or ws(128, False, softcap=True))
+    assert not (ws(64, False, intervals=True) or ws(128, False, intervals=True))
     monkeypatch.setattr(hopper, "ws_dkdv_enabled", False)
     assert not ws(64, False)
 

@@ -1030,12 +1030,14 @@ ONE_PASS_STEP_PAIRS = (64,)
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
 one_pass_enabled = True  # False: the two passes (A/B timing)
-# The deterministic mode's dK/dV on dense calls: the one pass with its dQ work compiled out (``DQ`` off: no dS^T
-# store, no meeting of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two
-# 64-key consumers, whose gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Its dK/dV
-# kernel alone, against the one-warpgroup pass (H200, bf16, L 2K-16K, best of 3 rounds): D64 1.02-1.11x (step pairs,
-# 4 stages), D128 not causal 1.03-1.05x (3 stages), D128 causal 0.97-1.01x (left to the one-warpgroup pass).
-# Key intervals and the soft-cap were not measured there.
+# The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
+# of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
+# gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Deterministic forward+backward against
+# the one-warpgroup pass (H200, bf16, best of 3 shuffled rounds): dense D64 (step pairs, 4 stages) 1.03-1.05x at L
+# 2K-16K, D128 not causal (3 stages; 4: 0.99-1.01x) 1.01-1.03x, D128 causal 0.95-1.01x; on 16K tokens D64 soft-capped
+# 1.03-1.04x, windows 0.99-1.03x, packed documents 0.94x; D128 windows and packed documents 0.95-1.01x, soft-capped
+# 0.87-0.88x (the cap's tile spills 112-120 bytes). It runs where it gained: no key intervals, D64, or D128 neither
+# causal nor soft-capped.
 WS_DKDV_STAGES = {64: 4, 128: 3}
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
@@ -1050,12 +1052,12 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
             and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
 
 
-def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, dense: bool) -> bool:
+def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, intervals: bool, softcap: bool) -> bool:
     """Whether the deterministic mode's dK/dV runs warp-specialized (``attention_backward`` without dQ) rather than in
-    ``attention_backward_dkdv``: dense calls (no key intervals, no soft-cap) at D 64, and D 128 not causal, from
-    WS_DKDV_MIN_KEYS keys (``WS_DKDV_STAGES``)."""
+    ``attention_backward_dkdv``: calls without key intervals at D 64, and at D 128 neither causal nor soft-capped,
+    from WS_DKDV_MIN_KEYS keys (``WS_DKDV_STAGES``)."""
     D = q.shape[-1]
-    return (ws_dkdv_enabled and dense and D in WS_DKDV_STAGES and (D == 64 or not is_causal)
+    return (ws_dkdv_enabled and not intervals and (D == 64 or (D == 128 and not is_causal and not softcap))
             and k.shape[2] >= WS_DKDV_MIN_KEYS)
 
 

@@ -1049,8 +1049,8 @@ def attention_backward(
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv, ds))
     lse = lse.contiguous()
     # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums where determinism is not
-    # asked for and it measured faster, else the two deterministic passes, dK/dV warp-specialized on dense calls where
-    # that measured faster), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not
+    # asked for and it measured faster, else the two deterministic passes, dK/dV warp-specialized where that measured
+    # faster), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not
     # asked for and that measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
@@ -1094,9 +1094,10 @@ def attention_backward(
                  and _atomic_dq_pays(q.dtype, bd, bdv, mask is not None,
                                      2 * B * H * L * S * D if plain and is_causal else None))
     gluon_dq = need_dq and not atomic_dq and BWD_DQ_CONFIG is None and hopper_dq
-    # dense calls: dK/dV by the warp-specialized pass, which reads the statistics the dQ pass writes in its layout
+    # dK/dV by the warp-specialized pass where it measured faster, reading the statistics the dQ pass writes in its
+    # layout
     ws_dkdv = (gluon_dkdv and gluon_dq and not exact_delta
-               and hopper.ws_dkdv_applies(q, k, hopper_causal, plain and hopper_intervals is None))
+               and hopper.ws_dkdv_applies(q, k, hopper_causal, hopper_intervals is not None, softcap > 0.0))
     stats = None
     if ws_dkdv:
         stats = torch.empty((2, B * H, cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M),
@@ -1126,7 +1127,8 @@ def attention_backward(
     elif atomic_dq:
         dq32 = torch.zeros((B, H, L, D), dtype=torch.float32, device=dev)
     if ws_dkdv:
-        hopper.attention_backward(q, k, v, grad_out, stats, None, hopper_causal, qk_scale, scale, None, dk, dv)
+        hopper.attention_backward(q, k, v, grad_out, stats, None, hopper_causal, qk_scale, scale, None, dk, dv,
+                                  hopper_intervals, cap_scale)
     elif gluon_dkdv:
         hopper.attention_backward_dkdv(q, k, v, grad_out, lse, delta, hopper_causal, qk_scale, scale, dk, dv,
                                        hopper_intervals, cap_scale)
