@@ -1354,7 +1354,8 @@ if gluon is not None:
                              v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
                              KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
                              a_layout: gl.constexpr):
-        """``_bwd_step_pairs`` without dQ: dK_a and dV_a issued before b's products, all waited for at the end."""
+        """``_bwd_step_pairs`` without dQ: a's dV and dK products run under b's S^T and dP^T, and every product is
+        waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for j in range(gl.cdiv(total, 2)):

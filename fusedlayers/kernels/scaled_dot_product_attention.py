@@ -1050,8 +1050,8 @@ def attention_backward(
     lse = lse.contiguous()
     # which kernels run: the Hopper ones where they apply (one pass with unordered dQ sums where determinism is not
     # asked for and it measured faster, else the two deterministic passes, dK/dV warp-specialized where that measured
-    # faster), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not
-    # asked for and that measured faster
+    # faster), else the Triton dK/dV kernel, which also adds dQ atomically where determinism is not asked for and that
+    # measured faster
     hopper_ok = mask is None and dropout is None  # windows and packing come as key intervals
     plain = hopper_ok and softcap <= 0.0 and tuple(window) == (-1, -1) and intervals is None
     if keys_per_row is None:
