@@ -1294,19 +1294,9 @@ if gluon is not None:
         serialize every wgmma). An odd last step b runs on a's buffers with an infinite logsumexp (P = dS = 0), its
         dQ_part not added."""
         dtype: gl.constexpr = q_smem.dtype
-        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for j in range(gl.cdiv(total, 2)):
-            ia = 2 * j
-            ib = ia + 1
-            valid_b = ib < total
-            buf_a = ia % STAGES
-            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-            m0_a = m_start + (ia % n_m) * BLOCK_M
-            m0_b = m_start + (ib % n_m) * BLOCK_M
-            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
@@ -1350,6 +1340,24 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
+    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Iteration j's steps a and b: their indices, whether b exists (else it runs on a's buffers), ring slots,
+        first query rows, and Q and dO tiles."""
+        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
+        ia = 2 * j
+        ib = ia + 1
+        valid_b = ib < total
+        buf_a = ia % STAGES
+        buf_b = gl.where(valid_b, ib % STAGES, buf_a)
+        m0_a = m_start + (ia % n_m) * BLOCK_M
+        m0_b = m_start + (ib % n_m) * BLOCK_M
+        q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+        do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
+        q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+        do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+        return ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b
+
+    @gluon.jit
     def _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
                              v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
                              KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
@@ -1357,19 +1365,9 @@ if gluon is not None:
         """``_bwd_step_pairs`` without dQ: a's dV and dK products run under b's S^T and dP^T, and every product is
         waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
-        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for j in range(gl.cdiv(total, 2)):
-            ia = 2 * j
-            ib = ia + 1
-            valid_b = ib < total
-            buf_a = ia % STAGES
-            buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-            m0_a = m_start + (ia % n_m) * BLOCK_M
-            m0_b = m_start + (ib % n_m) * BLOCK_M
-            q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
-            q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-            do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
