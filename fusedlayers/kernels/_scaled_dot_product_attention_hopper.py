@@ -1029,6 +1029,7 @@ ONE_PASS_STEP_PAIRS = (64,)
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
+ONE_PASS_OWN_DQ = (64,)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1075,7 +1076,9 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     l_pad = stats.shape[-1]
     stats_desc = _new_descriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     with_dq = dq is not None
-    dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, D // 2], _dq_layout(block_m, D // 2))
+    own_dq = D in ONE_PASS_OWN_DQ
+    dq_cols = D if own_dq else D // 2
+    dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
@@ -1085,7 +1088,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, num_warps=4,
+        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1187,12 +1190,13 @@ if gluon is not None:
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr):
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
+                      OWN_DQ: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of each step's dQ_part,
         a step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
         KEYS: gl.constexpr = 64
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
+        DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1214,7 +1218,10 @@ if gluon is not None:
         k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
         k_tile = k_all.slice(WG * KEYS, KEYS)
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-        dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        if OWN_DQ:
+            dq_b = k_tile
+        else:
+            dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
@@ -1229,12 +1236,12 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
-                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
+                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, OWN_DQ)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1244,7 +1251,8 @@ if gluon is not None:
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr):
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
+                   OWN_DQ: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1266,18 +1274,15 @@ if gluon is not None:
             else:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
                 # warpgroup a step ahead never overwrites what the other's dQ_part still reads
-                ds_buf = ds_smem.index(i % 2)
-                ds_buf.slice(WG * KEYS, KEYS).store(ds_t)
+                _bwd_ds_share(ds_smem, i % 2, ds_t, ds_ready, WG, KEYS, OWN_DQ)
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(i % 2))
-                mbarrier.wait(ds_ready.index(i % 2), phase=(i // 2) & 1)
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+                ds_a = _bwd_ds_operand(ds_smem, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                dq = warpgroup_mma(ds_a, dq_b, dq_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
         return dk, dv
@@ -1287,7 +1292,7 @@ if gluon is not None:
                         do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
                         total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr):
+                        a_layout: gl.constexpr, OWN_DQ: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dQ_a and dK_a run. Every product is waited for
         before the loop's back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas
@@ -1301,17 +1306,15 @@ if gluon is not None:
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
-            ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(0))
+            _bwd_ds_share(ds_smem, 0, ds_a, ds_ready, WG, KEYS, OWN_DQ)
             # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
             mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(ds_ready.index(0), phase=j & 1)
-            dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, 0, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
+                               use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
             lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             dv, s_t = warpgroup_mma_wait(num_outstanding=3, deps=(dv, s_t))
@@ -1321,22 +1324,20 @@ if gluon is not None:
             delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            ds_smem.index(1).slice(WG * KEYS, KEYS).store(ds_b)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(1))
+            _bwd_ds_share(ds_smem, 1, ds_b, ds_ready, WG, KEYS, OWN_DQ)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
             # b's dV, dQ_part and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
-            mbarrier.wait(ds_ready.index(1), phase=j & 1)
-            dq = warpgroup_mma(ds_smem.index(1).permute((1, 0)), dq_b, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, 1, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
+                               use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
             mbarrier.arrive(q_empty.index(buf_a))
             mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if valid_b:
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
         return dk, dv
 
     @gluon.jit
@@ -1442,15 +1443,38 @@ if gluon is not None:
         return p_a, p_t
 
     @gluon.jit
+    def _bwd_ds_share(ds_smem, idx, ds_t, ds_ready, WG: gl.constexpr, KEYS: gl.constexpr, OWN_DQ: gl.constexpr):
+        """dS^T of this warpgroup's keys into ds_smem[idx] for dQ_part = dS K: OWN_DQ, read by this warpgroup
+        alone; else by both, so ds_ready[idx] counts this warpgroup's arrival."""
+        ds_smem.index(idx).slice(WG * KEYS, KEYS).store(ds_t)
+        fence_async_shared()
+        if OWN_DQ:
+            gl.thread_barrier()
+        else:
+            mbarrier.arrive(ds_ready.index(idx))
+
+    @gluon.jit
+    def _bwd_ds_operand(ds_smem, idx, ds_ready, use, WG: gl.constexpr, KEYS: gl.constexpr, OWN_DQ: gl.constexpr):
+        """dS of ds_smem[idx] as dQ_part's A operand: this warpgroup's keys (OWN_DQ), or both warpgroups' once the
+        other's arrived (``use``: how many times idx was waited for before)."""
+        if OWN_DQ:
+            ds = ds_smem.index(idx).slice(WG * KEYS, KEYS)
+        else:
+            mbarrier.wait(ds_ready.index(idx), phase=use & 1)
+            ds = ds_smem.index(idx)
+        return ds.permute((1, 0))
+
+    @gluon.jit
     def _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr):
+                    DQ_COLS: gl.constexpr, OWN_DQ: gl.constexpr):
         """Adds this warpgroup's dQ_part of step i to the fp32 dQ by a TMA reduction, not waited for. The step's head
         and first row are recomputed from i here rather than kept live across the step: fewer registers spill."""
         tma.store_wait(0)  # the previous reduction has read dq_smem
         gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS], dq_smem.index(WG))
+        col: gl.constexpr = 0 if OWN_DQ else WG * DQ_COLS
+        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, col], dq_smem.index(WG))
 
     @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -1476,7 +1500,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1515,12 +1539,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
         ], [4, 4], [240, 240])
 
 
