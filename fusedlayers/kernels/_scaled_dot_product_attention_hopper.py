@@ -1029,7 +1029,11 @@ ONE_PASS_STEP_PAIRS = (64,)
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
-ONE_PASS_OWN_DQ = (64,)
+# Soft-capped D64 (single steps): each consumer forms dQ_part over its own 64 keys and all head dims (``OWN_DQ``), so
+# the warpgroups never wait for each other's dS^T, at twice the dQ reductions: forward+backward 1.06-1.08x sharing
+# dQ_part (H200, 16K tokens, causal and not, best of 3 shuffled rounds); dense D64 (step pairs or single steps)
+# 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
+ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1076,7 +1080,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     l_pad = stats.shape[-1]
     stats_desc = _new_descriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     with_dq = dq is not None
-    own_dq = D in ONE_PASS_OWN_DQ
+    own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     dq_cols = D if own_dq else D // 2
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
@@ -1192,8 +1196,9 @@ if gluon is not None:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
                       OWN_DQ: gl.constexpr):
-        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of each step's dQ_part,
-        a step an iteration or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of each step's dQ_part
+        (half the head dims over both warpgroups' keys; OWN_DQ: every head dim over its own keys), a step an iteration
+        or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
@@ -1274,8 +1279,9 @@ if gluon is not None:
             else:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
                 # warpgroup a step ahead never overwrites what the other's dQ_part still reads
-                _bwd_ds_share(ds_smem, i % 2, ds_t, ds_ready, WG, KEYS, OWN_DQ)
+                ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+                _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
                 ds_a = _bwd_ds_operand(ds_smem, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
                 dq = warpgroup_mma(ds_a, dq_b, dq_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
@@ -1306,7 +1312,8 @@ if gluon is not None:
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
-            _bwd_ds_share(ds_smem, 0, ds_a, ds_ready, WG, KEYS, OWN_DQ)
+            ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
+            _bwd_ds_publish(ds_ready, 0, OWN_DQ)
             # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
             mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
@@ -1324,7 +1331,8 @@ if gluon is not None:
             delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            _bwd_ds_share(ds_smem, 1, ds_b, ds_ready, WG, KEYS, OWN_DQ)
+            ds_smem.index(1).slice(WG * KEYS, KEYS).store(ds_b)
+            _bwd_ds_publish(ds_ready, 1, OWN_DQ)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
             _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
             # b's dV, dQ_part and dK
@@ -1443,10 +1451,9 @@ if gluon is not None:
         return p_a, p_t
 
     @gluon.jit
-    def _bwd_ds_share(ds_smem, idx, ds_t, ds_ready, WG: gl.constexpr, KEYS: gl.constexpr, OWN_DQ: gl.constexpr):
-        """dS^T of this warpgroup's keys into ds_smem[idx] for dQ_part = dS K: OWN_DQ, read by this warpgroup
-        alone; else by both, so ds_ready[idx] counts this warpgroup's arrival."""
-        ds_smem.index(idx).slice(WG * KEYS, KEYS).store(ds_t)
+    def _bwd_ds_publish(ds_ready, idx, OWN_DQ: gl.constexpr):
+        """After this warpgroup stored its keys' dS^T into ds_smem[idx]: visible to the tensor cores, for dQ_part = dS
+        K by this warpgroup alone (OWN_DQ) or by both (ds_ready[idx] counts this warpgroup's arrival)."""
         fence_async_shared()
         if OWN_DQ:
             gl.thread_barrier()
