@@ -1282,7 +1282,7 @@ if gluon is not None:
                 ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
                 _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-                ds_a = _bwd_ds_operand(ds_smem, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                ds_a = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
                 dq = warpgroup_mma(ds_a, dq_b, dq_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
                 mbarrier.arrive(do_empty.index(buf))
@@ -1303,16 +1303,19 @@ if gluon is not None:
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dQ_a and dK_a run. Every product is waited for
         before the loop's back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas
         serialize every wgmma). An odd last step b runs on a's buffers with an infinite logsumexp (P = dS = 0), its
-        dQ_part not added."""
+        dQ_part not added. dS^T tiles alternate between two pairs of buffers by iteration: a warpgroup arrives with
+        b's dS^T before its own dQ_a has read a's, so the other, once past that arrival, must not overwrite a's
+        buffer in the next iteration."""
         dtype: gl.constexpr = q_smem.dtype
         for j in range(gl.cdiv(total, 2)):
             ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
                                                                                         m_start, BLOCK_M, STAGES)
+            ds0 = 2 * (j % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
-            ds_smem.index(0).slice(WG * KEYS, KEYS).store(ds_a)
+            ds_smem.index(ds0).slice(WG * KEYS, KEYS).store(ds_a)
             _bwd_ds_publish(ds_ready, 0, OWN_DQ)
             # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
@@ -1320,7 +1323,7 @@ if gluon is not None:
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, 0, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
+            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
                                use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
             lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
@@ -1331,13 +1334,13 @@ if gluon is not None:
             delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-            ds_smem.index(1).slice(WG * KEYS, KEYS).store(ds_b)
+            ds_smem.index(ds0 + 1).slice(WG * KEYS, KEYS).store(ds_b)
             _bwd_ds_publish(ds_ready, 1, OWN_DQ)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
             _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
             # b's dV, dQ_part and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
-            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, 1, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
+            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0 + 1, 1, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
                                use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
@@ -1461,13 +1464,14 @@ if gluon is not None:
             mbarrier.arrive(ds_ready.index(idx))
 
     @gluon.jit
-    def _bwd_ds_operand(ds_smem, idx, ds_ready, use, WG: gl.constexpr, KEYS: gl.constexpr, OWN_DQ: gl.constexpr):
+    def _bwd_ds_operand(ds_smem, idx, bar, ds_ready, use, WG: gl.constexpr, KEYS: gl.constexpr,
+                        OWN_DQ: gl.constexpr):
         """dS of ds_smem[idx] as dQ_part's A operand: this warpgroup's keys (OWN_DQ), or both warpgroups' once the
-        other's arrived (``use``: how many times idx was waited for before)."""
+        other's arrived at ds_ready[bar] (``use``: how many times it was waited for before)."""
         if OWN_DQ:
             ds = ds_smem.index(idx).slice(WG * KEYS, KEYS)
         else:
-            mbarrier.wait(ds_ready.index(idx), phase=use & 1)
+            mbarrier.wait(ds_ready.index(bar), phase=use & 1)
             ds = ds_smem.index(idx)
         return ds.permute((1, 0))
 
@@ -1518,7 +1522,7 @@ if gluon is not None:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stats_desc.layout)
         if DQ:
-            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+            ds_smem = gl.allocate_shared_memory(dtype, [4 if STEP_PAIRS else 2, BLOCK_N, BLOCK_M], DS_LAYOUT)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         else:  # not read: the ring takes their 64 KB (D128)
             ds_smem = q_smem
