@@ -2022,13 +2022,17 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_hopper", "HEAD_DIM")] == {64, 128}
     assert meta_seen[("_attn_bwd_hopper", "SOFTCAP")] == meta_seen[("_attn_bwd_hopper", "INTERVALS")] == {True, False}
     assert meta_seen[("_attn_bwd_hopper", "DQ")] == {True}
-    # soft-capped D64: each warpgroup forms dQ_part over its own keys and every head dim; else half the head dims
+    # a warpgroup's dQ_part: soft-capped D64, over its own keys; step pairs (dense D64), every other step's; both
+    # with every head dim; else half the head dims of every step
     one_pass_launches = [(args, meta) for kernel, args, meta in gluon_launches if kernel.__name__ == "_attn_bwd_hopper"]
     for args, meta in one_pass_launches:
         own = meta["SOFTCAP"] and meta["HEAD_DIM"] == 64
         assert meta["OWN_DQ"] == own
-        assert args[4].block_shape == [1, 64, meta["HEAD_DIM"] if own else meta["HEAD_DIM"] // 2]
-    assert {meta["OWN_DQ"] for _, meta in one_pass_launches} == {True, False}
+        assert meta["STEP_PAIRS"] == (meta["HEAD_DIM"] == 64 and not meta["SOFTCAP"] and not meta["INTERVALS"])
+        all_cols = own or meta["STEP_PAIRS"]
+        assert args[4].block_shape == [1, 64, meta["HEAD_DIM"] if all_cols else meta["HEAD_DIM"] // 2]
+    assert {(meta["OWN_DQ"], meta["STEP_PAIRS"]) for _, meta in one_pass_launches} == {(True, False), (False, True),
+                                                                                        (False, False)}
 
 
 def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):

@@ -1024,7 +1024,8 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 # Dense D64: two steps an iteration, the second's S^T and dP^T issued behind the first's dV (``_bwd_step_pairs``),
 # with 4-deep Q/dO rings: forward+backward 0.995-1.04x one step an iteration (H200, L 2K-16K, two runs of 3 rounds).
 # On key intervals or soft-capped 0.86-0.97x (their masks and tanh spill registers there); D128's registers do not
-# hold a second step's tiles (ptxas serializes every wgmma).
+# hold a second step's tiles (ptxas serializes every wgmma). Warpgroup 0 forms step a's whole dQ_part and warpgroup 1
+# step b's, rather than each half the head dims of both: 1.007-1.057x forward+backward (H200, L 2K-16K, 3 rounds).
 ONE_PASS_STEP_PAIRS = (64,)
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
@@ -1081,11 +1082,11 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     stats_desc = _new_descriptor(stats, [2 * B * H, l_pad], [l_pad, 1], [1, block_m], _stats_layout())
     with_dq = dq is not None
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
-    dq_cols = D if own_dq else D // 2
+    pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
+    dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
@@ -1201,7 +1202,7 @@ if gluon is not None:
         or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
         1 - tanh^2."""
         KEYS: gl.constexpr = 64
-        DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # dQ_part's head dims this warpgroup forms
+        DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ or STEP_PAIRS else HEAD_DIM // 2  # dQ_part's head dims it forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1225,6 +1226,8 @@ if gluon is not None:
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
         if OWN_DQ:
             dq_b = k_tile
+        elif STEP_PAIRS:
+            dq_b = k_all
         else:
             dq_b = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -1241,7 +1244,7 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
-                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, OWN_DQ)
+                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
@@ -1298,15 +1301,17 @@ if gluon is not None:
                         do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
                         total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr, OWN_DQ: gl.constexpr):
+                        a_layout: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
-        dP^T are issued behind a's dV, so that P_b forms while dP_b, dQ_a and dK_a run. Every product is waited for
-        before the loop's back-edge (a product in flight across it, with a wait(N > 0) read in the loop, makes ptxas
-        serialize every wgmma). An odd last step b runs on a's buffers with an infinite logsumexp (P = dS = 0), its
-        dQ_part not added. dS^T tiles alternate between two pairs of buffers by iteration: a warpgroup arrives with
-        b's dS^T before its own dQ_a has read a's, so the other, once past that arrival, must not overwrite a's
-        buffer in the next iteration."""
+        dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
+        forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
+        for the other's dS^T once an iteration. Every product is waited for before the loop's back-edge (a product
+        in flight across it, with a wait(N > 0) read in the loop, makes ptxas serialize every wgmma). An odd last
+        step b runs on a's buffers with an infinite logsumexp (P = dS = 0), its dQ_part not added. dS^T tiles
+        alternate between two pairs of buffers by iteration: warpgroup 0 arrives with b's dS^T before its dQ_a has
+        read a's, so warpgroup 1, once past that arrival, must not overwrite a's buffer in the next iteration."""
         dtype: gl.constexpr = q_smem.dtype
+        DQ_A: gl.constexpr = WG == 0  # whether this warpgroup forms step a's dQ_part, else b's
         for j in range(gl.cdiv(total, 2)):
             ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
                                                                                         m_start, BLOCK_M, STAGES)
@@ -1316,39 +1321,46 @@ if gluon is not None:
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
             ds_smem.index(ds0).slice(WG * KEYS, KEYS).store(ds_a)
-            _bwd_ds_publish(ds_ready, 0, OWN_DQ)
-            # a's dV, b's S and dP, a's dQ_part and dK: P_b forms under dP_b, dQ_a and dK_a
+            _bwd_ds_publish(ds_ready, 0, False)
+            # a's dV, b's S and dP, a's dQ_part (warpgroup 0) and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
             mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
-                               use_acc=False, is_async=True)
+            if DQ_A:
+                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, j, WG, KEYS, False), dq_b, dq_zero,
+                                   use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
             lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
-            dv, s_t = warpgroup_mma_wait(num_outstanding=3, deps=(dv, s_t))
+            dv, s_t = warpgroup_mma_wait(num_outstanding=2 + DQ_A, deps=(dv, s_t))
             mbarrier.arrive(do_empty.index(buf_a))
             p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
                                    col_s, a_layout)
             delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(dp_t, ))
+            dp_t = warpgroup_mma_wait(num_outstanding=1 + DQ_A, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
             ds_smem.index(ds0 + 1).slice(WG * KEYS, KEYS).store(ds_b)
-            _bwd_ds_publish(ds_ready, 1, OWN_DQ)
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-            # b's dV, dQ_part and dK
+            _bwd_ds_publish(ds_ready, 1, False)
+            if DQ_A:
+                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
+            # b's dV, dQ_part (warpgroup 1) and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
-            dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0 + 1, 1, ds_ready, j, WG, KEYS, OWN_DQ), dq_b, dq_zero,
-                               use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
-            dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+            if not DQ_A:
+                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0 + 1, 1, ds_ready, j, WG, KEYS, False), dq_b,
+                                   dq_zero, use_acc=False, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
+                dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
+                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             mbarrier.arrive(q_empty.index(buf_a))
             mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
-            if valid_b:
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+            if not DQ_A:
+                if valid_b:
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
         return dk, dv
 
     @gluon.jit
@@ -1477,14 +1489,14 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr, OWN_DQ: gl.constexpr):
+                    DQ_COLS: gl.constexpr, ALL_COLS: gl.constexpr):
         """Adds this warpgroup's dQ_part of step i to the fp32 dQ by a TMA reduction, not waited for. The step's head
         and first row are recomputed from i here rather than kept live across the step: fewer registers spill."""
         tma.store_wait(0)  # the previous reduction has read dq_smem
         gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        col: gl.constexpr = 0 if OWN_DQ else WG * DQ_COLS
+        col: gl.constexpr = 0 if ALL_COLS else WG * DQ_COLS  # ALL_COLS: every head dim, else its share
         _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, col], dq_smem.index(WG))
 
     @gluon.jit
