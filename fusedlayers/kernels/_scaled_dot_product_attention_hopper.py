@@ -1197,10 +1197,10 @@ if gluon is not None:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
                       OWN_DQ: gl.constexpr):
-        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of each step's dQ_part
-        (half the head dims over both warpgroups' keys; OWN_DQ: every head dim over its own keys), a step an iteration
-        or (STEP_PAIRS) two. SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor
-        1 - tanh^2."""
+        """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
+        (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
+        keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
+        SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
         KEYS: gl.constexpr = 64
         DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ or STEP_PAIRS else HEAD_DIM // 2  # dQ_part's head dims it forms
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1280,13 +1280,13 @@ if gluon is not None:
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
             else:
-                # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys; two buffers, so that a
-                # warpgroup a step ahead never overwrites what the other's dQ_part still reads
+                # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys (OWN_DQ: its own); two
+                # buffers, so that a warpgroup a step ahead never overwrites what the other's dQ_part still reads
                 ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
                 _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-                ds_a = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-                dq = warpgroup_mma(ds_a, dq_b, dq_zero, use_acc=False, is_async=True)
+                ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
