@@ -1067,6 +1067,14 @@ def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, intervals
             and k.shape[2] >= WS_DKDV_MIN_KEYS)
 
 
+def one_pass_stats(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialized (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 tensor for the one pass's statistics (the
+    base-2 logsumexp, then delta), which its producer loads by TMA a query block at a time."""
+    B, H, L, _ = q.shape
+    l_pad = cdiv(L, ONE_PASS_BLOCK_M) * ONE_PASS_BLOCK_M
+    return torch.empty((2, B * H, l_pad), dtype=torch.float32, device=q.device)
+
+
 def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale: float, scale: float,
                        dq: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor,
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
@@ -1083,7 +1091,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     with_dq = dq is not None
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
-    dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part
+    dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
@@ -1202,7 +1210,7 @@ if gluon is not None:
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
         SOFTCAP: S^T is tanh(S^T * cap_scale) and dS^T gains the factor 1 - tanh^2."""
         KEYS: gl.constexpr = 64
-        DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ or STEP_PAIRS else HEAD_DIM // 2  # dQ_part's head dims it forms
+        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[-1]  # dQ_part's head dims: the host's dq_cols (DQ)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

@@ -1064,10 +1064,9 @@ def attention_backward(
     if (hopper_dkdv and hopper_dq and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
             and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
             and hopper.one_pass_applies(q, k, softcap > 0.0)):
-        # the producer loads each step's base-2 logsumexp and delta by TMA: rows padded to whole query blocks
-        l_pad = cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M
-        stats = torch.empty((2, B * H, l_pad), dtype=torch.float32, device=dev)
+        stats = hopper.one_pass_stats(q)
         lse2, delta = stats.unbind()
+        l_pad = stats.shape[-1]
         dq32 = torch.empty((B * H, L, D), dtype=torch.float32, device=dev)  # the preprocess zeroes it
         launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, delta, lse, lse2, dq32,
                *out.stride(), *grad_out.stride(), H, L, DV, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
@@ -1098,10 +1097,7 @@ def attention_backward(
     # layout
     ws_dkdv = (gluon_dkdv and gluon_dq and not exact_delta
                and hopper.ws_dkdv_applies(q, k, hopper_causal, hopper_intervals is not None, softcap > 0.0))
-    stats = None
-    if ws_dkdv:
-        stats = torch.empty((2, B * H, cdiv(L, hopper.ONE_PASS_BLOCK_M) * hopper.ONE_PASS_BLOCK_M),
-                            dtype=torch.float32, device=dev)
+    stats = hopper.one_pass_stats(q) if ws_dkdv else None
     # delta: summed from P dP (exact_delta), or rowsum(dO * O) by a pass of its own unless the Gluon dQ pass,
     # which then runs first, forms it
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
