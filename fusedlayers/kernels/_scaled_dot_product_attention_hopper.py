@@ -1035,9 +1035,6 @@ ONE_PASS_D64_MIN_KEYS = 1024
 # dQ_part (H200, 16K tokens, causal and not, best of 3 shuffled rounds); dense D64 (step pairs or single steps)
 # 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
 ONE_PASS_OWN_DQ_SOFTCAP = (64,)
-# Single steps taken two at a time, warpgroup 0 forming the first's whole dQ_part (in two halves of the head dims),
-# warpgroup 1 the second's, so that each waits for the other's dS^T once in two steps: not timed yet
-ONE_PASS_ALT_STEPS = (128,)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1094,8 +1091,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     with_dq = dq is not None
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
-    alt_steps = with_dq and not own_dq and not pairs and D in ONE_PASS_ALT_STEPS
-    dq_cols = D if own_dq or pairs else D // 2  # a warpgroup's dQ_part's head dims (alt_steps: a half at a time)
+    dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
@@ -1105,7 +1101,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq, ALT_STEPS=alt_steps, num_warps=4,
+        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1208,7 +1204,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, ALT_STEPS: gl.constexpr):
+                      OWN_DQ: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1252,12 +1248,6 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
                                           k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
                                           BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
-        elif ALT_STEPS:
-            dk, dv = _bwd_steps_alternating(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
-                                            q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, k_all, dk, dv,
-                                            s_zero, dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale,
-                                            cap_scale, WG, BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s,
-                                            a_layout)
         elif STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
@@ -1309,8 +1299,7 @@ if gluon is not None:
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS,
-                            0 if OWN_DQ else WG * DQ_COLS)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
         return dk, dv
@@ -1363,7 +1352,7 @@ if gluon is not None:
             _bwd_ds_publish(ds_ready, 1, False)
             if DQ_A:
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, 0)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
             # b's dV, dQ_part (warpgroup 1) and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             if not DQ_A:
@@ -1379,49 +1368,7 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if not DQ_A:
                 if valid_b:
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, 0)
-        return dk, dv
-
-    @gluon.jit
-    def _bwd_steps_alternating(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
-                               do_full, do_empty, ds_ready, k_tile, v_tile, k_all, dk, dv, s_zero, dq_zero, masks, bh0,
-                               n_m, m_start, total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                               KEYS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                               SOFTCAP: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                               a_layout: gl.constexpr):
-        """A step an iteration, as ``_bwd_steps``, but step i's whole dQ_part formed by warpgroup i % 2 alone (over
-        both warpgroups' keys, half the head dims at a time), so that each waits for the other's dS^T every other step.
-        Only the owner reads ds_smem[i % 2] and waits at ds_ready[i % 2]; both arrive there."""
-        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        HALF: gl.constexpr = HEAD_DIM // 2
-        for i in range(total):
-            buf = i % STAGES
-            phase = (i // STAGES) & 1
-            m0 = m_start + (i % n_m) * BLOCK_M
-            q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
-                                     phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
-                                     SOFTCAP, col_s, a_layout)
-            ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
-            dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-            _bwd_ds_publish(ds_ready, i % 2, False)
-            dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
-            mbarrier.arrive(do_empty.index(buf))
-            ds_a = gl.convert_layout(ds_t, a_layout)
-            if i % 2 == WG:  # this step's dQ_part is this warpgroup's
-                ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, False)
-                dq = warpgroup_mma(ds, k_all.slice(0, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
-                dk = warpgroup_mma(ds_a, q_tile, dk, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, HALF, 0)
-                dq = warpgroup_mma(ds, k_all.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
-                dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, HALF, HALF)
-            else:
-                dk = warpgroup_mma(ds_a, q_tile, dk, is_async=True)
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-            mbarrier.arrive(q_empty.index(buf))
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
         return dk, dv
 
     @gluon.jit
@@ -1550,14 +1497,15 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr, COL: gl.constexpr):
+                    DQ_COLS: gl.constexpr, ALL_COLS: gl.constexpr):
         """Adds this warpgroup's dQ_part of step i to the fp32 dQ by a TMA reduction, not waited for. The step's head
         and first row are recomputed from i here rather than kept live across the step: fewer registers spill."""
         tma.store_wait(0)  # the previous reduction has read dq_smem
         gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, COL], dq_smem.index(WG))
+        col: gl.constexpr = 0 if ALL_COLS else WG * DQ_COLS  # ALL_COLS: every head dim, else its share
+        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, col], dq_smem.index(WG))
 
     @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -1583,8 +1531,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         ALT_STEPS: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1623,14 +1570,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             ALT_STEPS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             ALT_STEPS)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
         ], [4, 4], [240, 240])
 
 
