@@ -1074,7 +1074,6 @@ def attention_backward(
                                   hopper_intervals, cap_scale)
         return dq, dk, dv, ds
     bd, bdv = _head_block(D), _head_block(DV)
-    delta = torch.empty((B, H, L), dtype=torch.float32, device=dev)
     mask_t, ms, mask_bool = _mask_args(mask, q)
     seed0, seed1, threshold, inv_keep = dropout if dropout is not None else (0, 0, 0, 1.0)
     common = dict(
@@ -1082,7 +1081,6 @@ def attention_backward(
         EVEN_D=bd == D, EVEN_DV=bdv == DV, IEEE=q.dtype == torch.float32, BLOCK_D=bd, BLOCK_DV=bdv,
         WINDOW=tuple(window) != (-1, -1), SOFTCAP=softcap > 0.0, INTERVALS=intervals is not None,
     )
-    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (delta,) * 4
     scalars = (H, H // H_kv, L, S, D, DV, _exponent_scale(q.dtype, scale), scale, seed0, seed1, threshold, inv_keep,
                *_window_softcap_args(q.dtype, scale, window, softcap))
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms)
@@ -1098,8 +1096,10 @@ def attention_backward(
     ws_dkdv = (gluon_dkdv and gluon_dq and not exact_delta
                and hopper.ws_dkdv_applies(q, k, hopper_causal, hopper_intervals is not None, softcap > 0.0))
     stats = hopper.one_pass_stats(q) if ws_dkdv else None
-    # delta: summed from P dP (exact_delta), or rowsum(dO * O) by a pass of its own unless the Gluon dQ pass,
-    # which then runs first, forms it
+    # delta, (B, H, L): summed from P dP (exact_delta), or rowsum(dO * O) by a pass of its own unless the Gluon dQ
+    # pass, which then runs first, forms it (into ``stats`` for the warp-specialized dK/dV: delta a placeholder then)
+    delta = stats[1] if ws_dkdv else torch.empty((B, H, L), dtype=torch.float32, device=dev)
+    row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (delta,) * 4
     if exact_delta:  # the dQ kernel's loop, summing P dP (dq_t is not written)
         dq_t = dq if need_dq else q
         launch(_attn_bwd_dq_kernel, (cdiv(L, dq_cfg.block_m), B * H),
