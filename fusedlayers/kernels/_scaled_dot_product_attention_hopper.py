@@ -1035,7 +1035,6 @@ ONE_PASS_D64_MIN_KEYS = 1024
 # dQ_part (H200, 16K tokens, causal and not, best of 3 shuffled rounds); dense D64 (step pairs or single steps)
 # 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
 ONE_PASS_OWN_DQ_SOFTCAP = (64,)
-DQ_SWIZZLE = 32  # experiment: 128 (the default for the tile) against 32
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1093,7 +1092,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
-    dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(DQ_SWIZZLE))
+    dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
@@ -1115,8 +1114,8 @@ def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
 
 
 @functools.cache
-def _dq_layout(swizzle: int):
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=3)
+def _dq_layout(rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([1, rows, cols], gl.float32)
 
 
 @functools.cache
