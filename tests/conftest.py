@@ -7,8 +7,18 @@ the ``cuda``-marked tests run the compiled kernels.
 
 import os
 
-import pytest
-import torch
+# pytest-xdist (-n auto) runs a worker per core: each worker's torch, and the processes its tests start, take their
+# share of the cores, since threads that spin-wait for each other at every op on shared cores make small ops many times
+# slower (a float64 gradcheck of 7 x 9 logits: 14 s alone, 54-137 s beside another worker with two threads each)
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _XDIST_WORKERS:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
