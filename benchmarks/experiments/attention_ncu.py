@@ -13,11 +13,11 @@ import csv
 import sys
 
 if len(sys.argv) > 1:
-    rows = list(csv.DictReader(open(sys.argv[1])))
+    lines = open(sys.argv[1]).read().splitlines()
+    rows = list(csv.DictReader(lines[next(i for i, x in enumerate(lines) if x.startswith('"Address"')):]))
     cols = list(rows[0])
-    print("columns:", cols)
     total_col = next(c for c in cols if "Warp Stall Sampling (All" in c)
-    reasons = [c for c in cols if c.startswith("stall_") or "Stall" in c and c != total_col and "Not" not in c]
+    reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
 
     def num(x):
         try:
