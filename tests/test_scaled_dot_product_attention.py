@@ -1899,8 +1899,7 @@ HOPPER_HOST_CASES = [
     (128, 4096, True, (1024, 0), 50.0),  # a narrow window (key intervals) with the cap: one-warpgroup forward
     (128, 4096, True, (2048, 0), 0.0),  # a wide one: warp-specialized on intervals
 ]
-HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ", "DQ32",
-                   "Stats"}
+HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ", "Stats"}
 
 
 def _hopper_host_launches(K, monkeypatch_launches, exact_delta_too: bool):
