@@ -1036,9 +1036,6 @@ ONE_PASS_D64_MIN_KEYS = 1024
 # 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
 ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 one_pass_enabled = True  # False: the two passes (A/B timing)
-# Single steps stage a step's dQ_part at its end and issue its TMA reduction in the next step, behind that step's S^T
-# and dP^T (the async-proxy fence and barrier under the tensor cores' work): not timed
-ONE_PASS_DQ_DEFER = (128,)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Deterministic forward+backward against
@@ -1094,7 +1091,6 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     with_dq = dq is not None
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
-    dq_defer = with_dq and not pairs and D in ONE_PASS_DQ_DEFER
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [L * D, D, 1], [1, block_m, dq_cols], _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
@@ -1105,7 +1101,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         dq_desc, stats_desc, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(), *dv.stride(), H, H // H_kv, L, S,
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
-        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq, DQ_DEFER=dq_defer, num_warps=4,
+        STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1208,7 +1204,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, DQ_DEFER: gl.constexpr):
+                      OWN_DQ: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1261,7 +1257,7 @@ if gluon is not None:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ, DQ_DEFER)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1272,10 +1268,8 @@ if gluon is not None:
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
-                   OWN_DQ: gl.constexpr, DQ_DEFER: gl.constexpr):
-        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step (DQ_DEFER:
-        dQ_part is staged in shared memory at the step's end and its reduction issued in the next step, under that
-        step's S^T and dP^T)."""
+                   OWN_DQ: gl.constexpr):
+        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
             buf = i % STAGES
@@ -1283,12 +1277,9 @@ if gluon is not None:
             m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            s_t, dp_t = _bwd_step_issue(q_tile, do_tile, k_tile, v_tile, q_full, do_full, buf, phase, s_zero)
-            if DQ_DEFER:  # the last step's dQ_part reduction, issued while this step's S^T and dP^T run
-                if i > 0:
-                    _bwd_dq_flush(dq_smem, dq_desc, bh0, i - 1, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-            p_a, ds_t = _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, buf, m0, masks, qk_scale, cap_scale, BLOCK_M,
-                                         KEYS, CAUSAL, INTERVALS, SOFTCAP, q_tile.dtype, col_s, a_layout)
+            p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
+                                     phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                     SOFTCAP, col_s, a_layout)
             if not DQ:
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
@@ -1308,15 +1299,9 @@ if gluon is not None:
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                if DQ_DEFER:
-                    _bwd_dq_stage(dq, dq_smem, WG, BLOCK_M, DQ_COLS)
-                else:
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
-        if DQ_DEFER:
-            if total > 0:
-                _bwd_dq_flush(dq_smem, dq_desc, bh0, total - 1, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
         return dk, dv
 
     @gluon.jit
@@ -1446,24 +1431,11 @@ if gluon is not None:
                      INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
         """A step's S^T = K Q^T and dP^T = V dO^T, issued as their tiles arrive and waited for: (P^T as dV's register
         operand, dS^T = P^T (dP^T - delta) in the input dtype)."""
-        s_t, dp_t = _bwd_step_issue(q_tile, do_tile, k_tile, v_tile, q_full, do_full, buf, phase, s_zero)
-        return _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, buf, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS,
-                                CAUSAL, INTERVALS, SOFTCAP, q_tile.dtype, col_s, a_layout)
-
-    @gluon.jit
-    def _bwd_step_issue(q_tile, do_tile, k_tile, v_tile, q_full, do_full, buf, phase, s_zero):
-        """Issues a step's S^T = K Q^T and dP^T = V dO^T as their tiles arrive."""
+        dtype: gl.constexpr = q_tile.dtype
         mbarrier.wait(q_full.index(buf), phase=phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_full.index(buf), phase=phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        return s_t, dp_t
-
-    @gluon.jit
-    def _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, buf, m0, masks, qk_scale, cap_scale, BLOCK_M: gl.constexpr,
-                         KEYS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                         dtype: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
-        """Waits for S^T and dP^T: (P^T as dV's register operand, dS^T = P^T (dP^T - delta) in dtype)."""
         lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
         p_a, p_ds = _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP,
@@ -1528,23 +1500,10 @@ if gluon is not None:
                     DQ_COLS: gl.constexpr, ALL_COLS: gl.constexpr):
         """Adds this warpgroup's dQ_part of step i to the fp32 dQ by a TMA reduction, not waited for. The step's head
         and first row are recomputed from i here rather than kept live across the step: fewer registers spill."""
-        _bwd_dq_stage(dq, dq_smem, WG, BLOCK_M, DQ_COLS)
-        _bwd_dq_flush(dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, ALL_COLS)
-
-    @gluon.jit
-    def _bwd_dq_stage(dq, dq_smem, WG: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
-        """This warpgroup's dQ_part into its shared-memory tile, once the previous reduction has read it."""
-        tma.store_wait(0)
+        tma.store_wait(0)  # the previous reduction has read dq_smem
         gl.thread_barrier()
         dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-
-    @gluon.jit
-    def _bwd_dq_flush(dq_smem, dq_desc, bh0, i, n_m, m_start, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                      DQ_COLS: gl.constexpr, ALL_COLS: gl.constexpr):
-        """The TMA reduction of step i's staged dQ_part into the fp32 dQ, issued and not waited for (after every
-        thread's stores are fenced for the async proxy)."""
         fence_async_shared()
-        gl.thread_barrier()
         col: gl.constexpr = 0 if ALL_COLS else WG * DQ_COLS  # ALL_COLS: every head dim, else its share
         _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, col], dq_smem.index(WG))
 
@@ -1572,8 +1531,7 @@ if gluon is not None:
                          H, GROUP, L, S, BH, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         DQ_DEFER: gl.constexpr):
+                         STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1612,12 +1570,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, DQ_DEFER)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, DQ_DEFER)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ)),
         ], [4, 4], [240, 240])
 
 
