@@ -1048,8 +1048,8 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 # Single steps with step i+1's S^T issued inside step i once its dV has run, and its dP^T once dK has (the tensor
 # cores hold the warpgroup's next product through dQ_part's hand-off and dK's wait): not timed. The one pass's head
 # dims (dQ formed), and the deterministic mode's dK/dV (no dQ)
-ONE_PASS_PIPELINED = (128,)
-WS_DKDV_PIPELINED = True
+ONE_PASS_PIPELINED = ()
+WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1107,7 +1107,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not pairs and (D in ONE_PASS_PIPELINED if with_dq else WS_DKDV_PIPELINED), num_warps=4,
+        PIPELINED=not pairs and D in (ONE_PASS_PIPELINED if with_dq else WS_DKDV_PIPELINED), num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
