@@ -1173,11 +1173,14 @@ def test_cuda_fp32():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("hopper_backward", "D"), [(True, 128), (True, 64), (False, 128)],
-                         ids=["default-kernels", "default-kernels-D64", "triton-kernels"])
-def test_cuda_deterministic_backward_and_memory(hopper_backward, D, monkeypatch):
+@pytest.mark.parametrize(("hopper_backward", "D", "softcap"), [(True, 128, 0.0), (True, 64, 0.0), (True, 64, 30.0),
+                                                              (False, 128, 0.0)],
+                         ids=["default-kernels", "default-kernels-D64", "default-kernels-D64-softcap",
+                              "triton-kernels"])
+def test_cuda_deterministic_backward_and_memory(hopper_backward, D, softcap, monkeypatch):
     """Asked for, the backward is bitwise reproducible: on Hopper's kernels (D128 causal: dK/dV one-warpgroup; D64:
-    warp-specialized) and on the Triton ones, whose default adds dQ atomically here (D128 bf16)."""
+    warp-specialized, in step pairs, or soft-capped in pipelined single steps) and on the Triton ones, whose default
+    adds dQ atomically here (D128 bf16)."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if not hopper_backward:
@@ -1186,7 +1189,8 @@ def test_cuda_deterministic_backward_and_memory(hopper_backward, D, monkeypatch)
     B, H, L = 1, 8, 4096
     q, k, v, _ = make_inputs(B, H, 2, L, L, D, D, torch.bfloat16, device="cuda")
     grad = torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda")
-    f = lambda q_, k_, v_, m_: fl.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
+    f = lambda q_, k_, v_, m_: fl.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True,
+                                                               softcap=softcap)
     with fl.use_deterministic_attention(True):
         _, g1 = run_with_grads(f, q, k, v, None, grad)
         _, g2 = run_with_grads(f, q, k, v, None, grad)
@@ -1586,12 +1590,15 @@ def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
 
 # soft-capped dense calls: the one-warpgroup forward (D64 causal, few keys), the warp-specialized one with two
-# consumers (D128) and three (D64 not causal from 2K keys and rows), ragged L != S, GQA
+# consumers (D128) and three (D64 not causal from 2K keys and rows), ragged L != S, GQA; programs of one step and of
+# none
 HOPPER_SOFTCAP_CASES = [
     (2, 4, 2, 300, 300, 64, True, None, (-1, -1), 20.0),
     (1, 4, 4, 257, 400, 128, False, None, (-1, -1), 10.0),
     (1, 4, 2, 700, 700, 128, True, None, (-1, -1), 30.0),
     (1, 4, 2, 2100, 2050, 64, False, None, (-1, -1), 30.0),
+    (1, 2, 1, 40, 300, 64, False, None, (-1, -1), 15.0),  # one query block: a single step a key block
+    (1, 2, 2, 100, 300, 64, True, None, (-1, -1), 15.0),  # causal, L < S: key blocks no query sees
 ]
 
 

@@ -1045,10 +1045,10 @@ one_pass_enabled = True  # False: the two passes (A/B timing)
 # 0.87-0.88x (the cap's tile spills 112-120 bytes). It runs where it gained: no key intervals, D64, or D128 neither
 # causal nor soft-capped.
 WS_DKDV_STAGES = {64: 4, 128: 3}
-# Single steps with step i+1's S^T issued inside step i once its dV has run, and its dP^T once dK has (the tensor
-# cores hold the warpgroup's next product through dQ_part's hand-off and dK's wait): not timed. The one pass's head
-# dims (dQ formed), and the deterministic mode's dK/dV (no dQ)
-ONE_PASS_PIPELINED = ()
+# Head dims whose single-step dK/dV pass (no dQ; at D64 the soft-capped calls) issues step i+1's S^T inside step i
+# once its dV has run, and its dP^T once dK has (``_bwd_steps_dkdv``): soft-capped D64 deterministic forward+backward
+# 1.02-1.09x waiting for both first (H200, L 2K-16K); D128 not causal 0.97-1.01x. The one pass with dQ so: D128
+# 0.82-0.97x, D64 against the step pairs 0.90-0.92x (its two-slot ring is held a step longer).
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
@@ -1107,7 +1107,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not pairs and D in (ONE_PASS_PIPELINED if with_dq else WS_DKDV_PIPELINED), num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1255,11 +1255,9 @@ if gluon is not None:
                                           k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
                                           BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
         elif PIPELINED:
-            dk, dv = _bwd_steps_pipelined(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
-                                          q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                          dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale,
-                                          cap_scale, WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                          col_s, a_layout, DQ, OWN_DQ)
+            dk, dv = _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
+                                     k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale,
+                                     BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
         elif STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
@@ -1402,77 +1400,60 @@ if gluon is not None:
         return ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b
 
     @gluon.jit
-    def _bwd_steps_pipelined(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
-                             do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0,
-                             n_m, m_start, total, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                             KEYS: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr,
-                             INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                             col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr):
-        """``_bwd_steps`` with each step's S^T and dP^T issued inside the step before it (``_bwd_step_grads``), so
-        that the tensor cores hold this warpgroup's next product while it hands dQ_part over or waits for dK."""
+    def _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile, v_tile, dk,
+                        dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale, BLOCK_M: gl.constexpr,
+                        KEYS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                        STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+        """Single steps without dQ, pipelined: each step issues the next one's S^T and dP^T (``_bwd_dkdv_products``).
+        The loop's back-edge sits after a step's S^T and dP^T were waited for: with them in flight across it, ptxas
+        serializes every wgmma."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        if total > 0:  # nothing in flight at the loop's back-edge (ptxas serializes every wgmma otherwise)
+        dtype: gl.constexpr = q_smem.dtype
+        if total > 0:
             s_t, dp_t = _bwd_step_issue(q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]),
                                         do_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_tile, v_tile, q_full,
                                         do_full, 0, 0, s_zero)
             p_a, ds_t = _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, 0, m_start, masks, qk_scale, cap_scale,
-                                         BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, q_smem.dtype, col_s, a_layout)
+                                         BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, dtype, col_s, a_layout)
             for i in range(total - 1):
-                dk, dv, s_t, dp_t = _bwd_step_grads(p_a, ds_t, q_smem, do_smem, ds_smem, dq_smem, dq_desc, q_full,
-                                                    q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk,
-                                                    dv, s_zero, dq_zero, bh0, i, n_m, m_start, WG, BLOCK_M, KEYS,
-                                                    DQ_COLS, STAGES, a_layout, DQ, OWN_DQ, True)
+                dk, dv, s_t, dp_t = _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full,
+                                                       do_empty, k_tile, v_tile, dk, dv, s_zero, i, BLOCK_M, STAGES,
+                                                       a_layout, True)
                 p_a, ds_t = _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, (i + 1) % STAGES,
                                              m_start + ((i + 1) % n_m) * BLOCK_M, masks, qk_scale, cap_scale, BLOCK_M,
-                                             KEYS, CAUSAL, INTERVALS, SOFTCAP, q_smem.dtype, col_s, a_layout)
-            dk, dv, _, _ = _bwd_step_grads(p_a, ds_t, q_smem, do_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
-                                           do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
-                                           bh0, total - 1, n_m, m_start, WG, BLOCK_M, KEYS, DQ_COLS, STAGES, a_layout,
-                                           DQ, OWN_DQ, False)
+                                             KEYS, CAUSAL, INTERVALS, SOFTCAP, dtype, col_s, a_layout)
+            dk, dv, _, _ = _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full, do_empty, k_tile,
+                                              v_tile, dk, dv, s_zero, total - 1, BLOCK_M, STAGES, a_layout, False)
         return dk, dv
 
     @gluon.jit
-    def _bwd_step_grads(p_a, ds_t, q_smem, do_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full, do_empty,
-                        ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, bh0, i, n_m, m_start,
-                        WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, DQ_COLS: gl.constexpr,
-                        STAGES: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                        NEXT: gl.constexpr):
-        """Step i's dV, (DQ) dQ_part and dK from its P^T and dS^T, and (NEXT) step i+1's S^T issued once dV has run
-        (P^T's registers free) behind dK, and its dP^T once dK has: (dK, dV, S^T, dP^T; s_zero for the last two
-        without NEXT)."""
+    def _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full, do_empty, k_tile, v_tile, dk, dv,
+                           s_zero, i, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr,
+                           NEXT: gl.constexpr):
+        """Step i's dV and dK from its P^T and dS^T, and (NEXT) step i+1's S^T issued once dV has run (P^T's
+        registers free), behind dK, and its dP^T once dK has: (dK, dV, S^T, dP^T; s_zero for the last two without
+        NEXT)."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         buf = i % STAGES
-        q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
         nxt = (i + 1) % STAGES
         phase = ((i + 1) // STAGES) & 1
         s_t = s_zero
         dp_t = s_zero
-        if DQ:
-            ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
         dv = warpgroup_mma(p_a, do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-        if DQ:
-            _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-            ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-            dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]), dk,
+                           is_async=True)
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
         mbarrier.arrive(do_empty.index(buf))
-        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
         if NEXT:
             mbarrier.wait(q_full.index(nxt), phase=phase)
             s_t = warpgroup_mma(k_tile, q_smem.index(nxt).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), s_zero,
                                 use_acc=False, is_async=True)
-            if DQ:
-                dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
             dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
             mbarrier.wait(do_full.index(nxt), phase=phase)
             dp_t = warpgroup_mma(v_tile, do_smem.index(nxt).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), s_zero,
                                  use_acc=False, is_async=True)
         else:
-            if DQ:
-                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(buf))
         return dk, dv, s_t, dp_t
