@@ -1597,7 +1597,7 @@ HOPPER_SOFTCAP_CASES = [
     (1, 4, 4, 257, 400, 128, False, None, (-1, -1), 10.0),
     (1, 4, 2, 700, 700, 128, True, None, (-1, -1), 30.0),
     (1, 4, 2, 2100, 2050, 64, False, None, (-1, -1), 30.0),
-    (1, 2, 1, 40, 300, 64, False, None, (-1, -1), 15.0),  # one query block: a single step a key block
+    (1, 2, 2, 40, 300, 64, False, None, (-1, -1), 15.0),  # one query block, no GQA: a single step a key block
     (1, 2, 2, 100, 300, 64, True, None, (-1, -1), 15.0),  # causal, L < S: key blocks no query sees
 ]
 

@@ -1048,7 +1048,8 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 # Head dims whose single-step dK/dV pass (no dQ; at D64 the soft-capped calls) issues step i+1's S^T inside step i
 # once its dV has run, and its dP^T once dK has (``_bwd_steps_dkdv``): soft-capped D64 deterministic forward+backward
 # 1.02-1.09x waiting for both first (H200, L 2K-16K); D128 not causal 0.97-1.01x. The one pass with dQ so: D128
-# 0.82-0.97x, D64 against the step pairs 0.90-0.92x (its two-slot ring is held a step longer).
+# 0.82-0.97x (a step then holds both slots of its two-deep Q/dO ring; not profiled), D64 against the step pairs
+# 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
