@@ -1292,12 +1292,8 @@ if gluon is not None:
                                      phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
                                      SOFTCAP, col_s, a_layout)
             if not DQ:
-                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                mbarrier.arrive(do_empty.index(buf))
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                mbarrier.arrive(q_empty.index(buf))
+                dk, dv, _, _ = _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full, do_empty,
+                                                  k_tile, v_tile, dk, dv, s_zero, i, BLOCK_M, STAGES, a_layout, False)
             else:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys (OWN_DQ: its own); two
                 # buffers, so that a warpgroup a step ahead never overwrites what the other's dQ_part still reads
