@@ -1051,10 +1051,6 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 # 0.82-0.97x (a step then holds both slots of its two-deep Q/dO ring; not profiled), D64 against the step pairs
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
-# Head dims whose single-step dK/dV pass (no dQ, not pipelined) takes turns issuing products (FA3's ping-pong): a
-# warpgroup issues a step's S^T and dP^T, or its dV and dK, only after the other issued its previous group, so that
-# one warpgroup's softmax runs under the other's products rather than both at once.
-WS_DKDV_PINGPONG = ()  # (128,): the experiment in benchmarks/experiments/attention_dkdv_pingpong.py
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1112,8 +1108,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED,
-        PINGPONG=not with_dq and not pairs and D not in WS_DKDV_PIPELINED and D in WS_DKDV_PINGPONG, num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1216,7 +1211,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, PINGPONG: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1260,11 +1255,6 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
                                           k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
                                           BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
-        elif PINGPONG:
-            dk, dv = _bwd_steps_pingpong(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
-                                         ds_ready, k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total,
-                                         qk_scale, cap_scale, WG, BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                         col_s, a_layout)
         elif PIPELINED:
             dk, dv = _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
                                      k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale,
@@ -1405,39 +1395,6 @@ if gluon is not None:
         q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
         do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
         return ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b
-
-    @gluon.jit
-    def _bwd_steps_pingpong(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, turn, k_tile,
-                            v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale,
-                            WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
-                            INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                            col_s: gl.constexpr, a_layout: gl.constexpr):
-        """Single steps without dQ, the warpgroups taking turns: each issues a step's S^T and dP^T, and later its dV
-        and dK, once it holds the turn (``turn[WG]``, its k-th wait on phase k % 2), and hands the turn over right
-        after issuing. The tensor cores then run the groups in the order 0, 1, 0, 1, and a warpgroup's softmax
-        overlaps the other's products."""
-        HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        dtype: gl.constexpr = q_smem.dtype
-        for i in range(total):
-            buf = i % STAGES
-            phase = (i // STAGES) & 1
-            q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
-            mbarrier.wait(turn.index(WG), phase=0)
-            s_t, dp_t = _bwd_step_issue(q_tile, do_tile, k_tile, v_tile, q_full, do_full, buf, phase, s_zero)
-            mbarrier.arrive(turn.index(1 - WG))
-            p_a, ds_t = _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, buf, m_start + (i % n_m) * BLOCK_M, masks,
-                                         qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, dtype,
-                                         col_s, a_layout)
-            mbarrier.wait(turn.index(WG), phase=1)
-            dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-            mbarrier.arrive(turn.index(1 - WG))
-            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-            mbarrier.arrive(do_empty.index(buf))
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-            mbarrier.arrive(q_empty.index(buf))
-        return dk, dv
 
     @gluon.jit
     def _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile, v_tile, dk,
@@ -1655,7 +1612,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, PINGPONG: gl.constexpr):
+                         PIPELINED: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1685,12 +1642,7 @@ if gluon is not None:
             mbarrier.init(do_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
-        if PINGPONG:  # without dQ, ds_ready[i] is warpgroup i's turn to issue
-            for i in gl.static_range(2):
-                mbarrier.init(ds_ready.index(i), count=1)
         fence_async_shared()
-        if PINGPONG:  # warpgroup 0 has the first turn
-            mbarrier.arrive(ds_ready.index(0))
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
@@ -1699,14 +1651,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             PINGPONG)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             PINGPONG)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
         ], [4, 4], [240, 240])
 
 
