@@ -1052,6 +1052,10 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
+# Diagnosis only (gradients wrong when not 0): what the D128 one pass's single steps spend on dQ. 1: dQ_part stored
+# by the TMA (written over, not added: no read-modify-write in L2); 2: dQ_part formed, not staged (kept live by a
+# branch never taken); 3: no dQ_part product (dS^T still stored and the warpgroups still meet).
+ONE_PASS_ABLATE = 0
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
 
@@ -1108,7 +1112,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, ABLATE=ONE_PASS_ABLATE, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1211,7 +1215,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, ABLATE: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1268,7 +1272,7 @@ if gluon is not None:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ, ABLATE)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1279,7 +1283,7 @@ if gluon is not None:
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
-                   OWN_DQ: gl.constexpr):
+                   OWN_DQ: gl.constexpr, ABLATE: gl.constexpr = 0):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1301,14 +1305,32 @@ if gluon is not None:
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
                 _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
                 ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-                dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
-                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                mbarrier.arrive(do_empty.index(buf))
-                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                mbarrier.arrive(q_empty.index(buf))
+                if ABLATE == 3:
+                    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
+                    mbarrier.arrive(do_empty.index(buf))
+                    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                    mbarrier.arrive(q_empty.index(buf))
+                else:
+                    dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
+                    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                    mbarrier.arrive(do_empty.index(buf))
+                    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+                    if ABLATE == 0:
+                        _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                    elif ABLATE == 1:
+                        tma.store_wait(0)
+                        gl.thread_barrier()
+                        dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M,
+                                                                  WG * DQ_COLS], dq_smem.index(WG))
+                    else:
+                        if qk_scale < 0.0:  # never: keeps dQ_part's product
+                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                    mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
@@ -1612,7 +1634,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr):
+                         PIPELINED: gl.constexpr, ABLATE: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1651,12 +1673,14 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
+                             ABLATE)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
+                             ABLATE)),
         ], [4, 4], [240, 240])
 
 
