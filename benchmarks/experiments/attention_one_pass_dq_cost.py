@@ -1,7 +1,8 @@
 """Experiment (H200, run from the repo root): what the D128 one pass spends on dQ, by switching parts of it off
 (``ONE_PASS_ABLATE``; gradients wrong in every variant but the shipped one): 1, dQ_part written by a TMA store
 instead of the TMA's reduce-add; 2, dQ_part formed but not staged or added; 3, no dQ_part product (dS^T still
-stored, the warpgroups still meet). Forward+backward ms and TFLOP/s, best of 3 shuffled rounds of
+stored, the warpgroups still meet); 4, 5, 6: the shipped hand-off without its wait for the previous reduction's
+read of the tile, without its fence, without its stores. Forward+backward ms and TFLOP/s, best of 3 shuffled rounds of
 triton.testing.do_bench, (B, H, L, 128) bf16, B*L = 16384, H = 16; the deterministic mode and cuDNN in the same
 rounds.
 
@@ -17,7 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fusedlayers as fl
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-VARIANTS = {"shipped": 0, "tma_store": 1, "no_staging": 2, "no_dq_product": 3}
+VARIANTS = {"shipped": 0, "tma_store": 1, "no_staging": 2, "no_dq_product": 3, "no_read_wait": 4, "no_fence": 5,
+            "no_stores": 6}
 
 for L, causal in ((2048, False), (4096, False), (16384, False), (16384, True)):
     B, H = 16384 // L, 16

@@ -1054,7 +1054,8 @@ WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 # Diagnosis only (gradients wrong when not 0): what the D128 one pass's single steps spend on dQ. 1: dQ_part stored
 # by the TMA (written over, not added: no read-modify-write in L2); 2: dQ_part formed, not staged (kept live by a
-# branch never taken); 3: no dQ_part product (dS^T still stored and the warpgroups still meet).
+# branch never taken); 3: no dQ_part product (dS^T still stored and the warpgroups still meet); 4, 5, 6: the
+# shipped hand-off without its wait for the previous reduction's read, without its fence, without its stores.
 ONE_PASS_ABLATE = 0
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1326,9 +1327,21 @@ if gluon is not None:
                         fence_async_shared()
                         tma.async_copy_shared_to_global(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M,
                                                                   WG * DQ_COLS], dq_smem.index(WG))
-                    else:
+                    elif ABLATE == 2:
                         if qk_scale < 0.0:  # never: keeps dQ_part's product
                             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                    else:  # 4: no wait for the last reduction's read; 5: no fence; 6: no stores (dq kept live)
+                        if ABLATE != 4:
+                            tma.store_wait(0)
+                        gl.thread_barrier()
+                        if ABLATE != 6:
+                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        elif qk_scale < 0.0:
+                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        if ABLATE != 5:
+                            fence_async_shared()
+                        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
+                                        dq_smem.index(WG))
                     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                     mbarrier.arrive(q_empty.index(buf))
         return dk, dv
