@@ -1116,13 +1116,14 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, ABLATE=ONE_PASS_ABLATE, num_warps=4,
     )
     if with_dq:
-        _dq_scale(dq32, dq, scale)
+        _dq_scale(dq32, dq, scale, ONE_PASS_ABLATE == 7 and not (own_dq or pairs))
 
 
-def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
+def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, permuted: bool = False) -> None:
     """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums."""
     B, H, L, D = dq.shape
-    launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, scale, HEAD_DIM=D, BLOCK_M=64)
+    launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, scale, HEAD_DIM=D, BLOCK_M=64,
+           PERMUTED=permuted)
 
 
 @functools.cache
@@ -1145,13 +1146,17 @@ if gluon is not None:
 
     @triton.jit
     def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, scale, HEAD_DIM: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
-        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides."""
+                     BLOCK_M: tl.constexpr, PERMUTED: tl.constexpr = False):
+        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides (PERMUTED: head dim c of each
+        64-wide group at 16 * (c % 8 // 2) + 2 * (c % 64 // 8) + c % 2 in DQ32)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
         offs_d = tl.arange(0, HEAD_DIM)
+        src_d = offs_d
+        if PERMUTED:
+            src_d = offs_d // 64 * 64 + offs_d % 8 // 2 * 16 + offs_d % 64 // 8 * 2 + offs_d % 2
         rows = offs_m[:, None] < L
-        dq = tl.load(DQ32 + (bh.to(tl.int64) * L + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows)
+        dq = tl.load(DQ32 + (bh.to(tl.int64) * L + offs_m[:, None]) * HEAD_DIM + src_d[None, :], mask=rows)
         ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
                 + offs_d[None, :] * stride_d)
         tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
@@ -1330,6 +1335,14 @@ if gluon is not None:
                     elif ABLATE == 2:
                         if qk_scale < 0.0:  # never: keeps dQ_part's product
                             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                    elif ABLATE == 7:  # the columns permuted so that a thread's 16 values are contiguous
+                        tma.store_wait(0)
+                        gl.thread_barrier()
+                        dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3))
+                        dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq_p.reshape([BLOCK_M, DQ_COLS]))
+                        fence_async_shared()
+                        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
+                                        dq_smem.index(WG))
                     else:  # 4: no wait for the last reduction's read; 5: no fence; 6: no stores (dq kept live)
                         if ABLATE != 4:
                             tma.store_wait(0)
