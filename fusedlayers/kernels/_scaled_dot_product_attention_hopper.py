@@ -1055,7 +1055,8 @@ WS_DKDV_MIN_KEYS = 2048
 # Diagnosis only (gradients wrong when not 0): what the D128 one pass's single steps spend on dQ. 1: dQ_part stored
 # by the TMA (written over, not added: no read-modify-write in L2); 2: dQ_part formed, not staged (kept live by a
 # branch never taken); 3: no dQ_part product (dS^T still stored and the warpgroups still meet); 4, 5, 6: the
-# shipped hand-off without its wait for the previous reduction's read, without its fence, without its stores.
+# shipped hand-off without its wait for the previous reduction's read, without its fence, without its stores; 7:
+# permuted dQ_part columns (16-byte stores); 8: dQ_part issued before dV and dK (gradients right in 7 and 8).
 ONE_PASS_ABLATE = 0
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1308,55 +1309,68 @@ if gluon is not None:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys (OWN_DQ: its own); two
                 # buffers, so that a warpgroup a step ahead never overwrites what the other's dQ_part still reads
                 ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
-                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-                ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-                if ABLATE == 3:
-                    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
-                    mbarrier.arrive(do_empty.index(buf))
+                if ABLATE == 8:  # dQ_part issued first, its hand-off under dV and dK
+                    _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
+                    ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                    dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
+                    dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
                     dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                    mbarrier.arrive(do_empty.index(buf))
                     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                     mbarrier.arrive(q_empty.index(buf))
                 else:
-                    dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
-                    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                    mbarrier.arrive(do_empty.index(buf))
-                    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                    if ABLATE == 0:
-                        _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-                    elif ABLATE == 1:
-                        tma.store_wait(0)
-                        gl.thread_barrier()
-                        dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M,
-                                                                  WG * DQ_COLS], dq_smem.index(WG))
-                    elif ABLATE == 2:
-                        if qk_scale < 0.0:  # never: keeps dQ_part's product
-                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                    elif ABLATE == 7:  # the columns permuted so that a thread's 16 values are contiguous
-                        tma.store_wait(0)
-                        gl.thread_barrier()
-                        dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3))
-                        dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq_p.reshape([BLOCK_M, DQ_COLS]))
-                        fence_async_shared()
-                        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
-                                        dq_smem.index(WG))
-                    else:  # 4: no wait for the last reduction's read; 5: no fence; 6: no stores (dq kept live)
-                        if ABLATE != 4:
+                    dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+                    _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
+                    ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                    if ABLATE == 3:
+                        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
+                        mbarrier.arrive(do_empty.index(buf))
+                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                        mbarrier.arrive(q_empty.index(buf))
+                    else:
+                        dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
+                        dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                        mbarrier.arrive(do_empty.index(buf))
+                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+                        if ABLATE == 0:
+                            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                        elif ABLATE == 1:
                             tma.store_wait(0)
-                        gl.thread_barrier()
-                        if ABLATE != 6:
+                            gl.thread_barrier()
                             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                        elif qk_scale < 0.0:
-                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                        if ABLATE != 5:
                             fence_async_shared()
-                        _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
-                                        dq_smem.index(WG))
-                    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                    mbarrier.arrive(q_empty.index(buf))
+                            tma.async_copy_shared_to_global(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M,
+                                                                      WG * DQ_COLS], dq_smem.index(WG))
+                        elif ABLATE == 2:
+                            if qk_scale < 0.0:  # never: keeps dQ_part's product
+                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        elif ABLATE == 7:  # the columns permuted so that a thread's 16 values are contiguous
+                            tma.store_wait(0)
+                            gl.thread_barrier()
+                            dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3))
+                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq_p.reshape([BLOCK_M, DQ_COLS]))
+                            fence_async_shared()
+                            _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
+                                            dq_smem.index(WG))
+                        else:  # 4: no wait for the last reduction's read; 5: no fence; 6: no stores (dq kept live)
+                            if ABLATE != 4:
+                                tma.store_wait(0)
+                            gl.thread_barrier()
+                            if ABLATE != 6:
+                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                            elif qk_scale < 0.0:
+                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+                            if ABLATE != 5:
+                                fence_async_shared()
+                            _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
+                                            dq_smem.index(WG))
+                        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                        mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
