@@ -1052,12 +1052,6 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
-# Diagnosis only (gradients wrong when not 0): what the D128 one pass's single steps spend on dQ. 1: dQ_part stored
-# by the TMA (written over, not added: no read-modify-write in L2); 2: dQ_part formed, not staged (kept live by a
-# branch never taken); 3: no dQ_part product (dS^T still stored and the warpgroups still meet); 4, 5, 6: the
-# shipped hand-off without its wait for the previous reduction's read, without its fence, without its stores; 7:
-# permuted dQ_part columns (16-byte stores); 8: dQ_part issued before dV and dK (gradients right in 7 and 8).
-ONE_PASS_ABLATE = 0
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
 
@@ -1114,17 +1108,16 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, ABLATE=ONE_PASS_ABLATE, num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, num_warps=4,
     )
     if with_dq:
-        _dq_scale(dq32, dq, scale, ONE_PASS_ABLATE == 7 and not (own_dq or pairs))
+        _dq_scale(dq32, dq, scale)
 
 
-def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, permuted: bool = False) -> None:
+def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
     """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums."""
     B, H, L, D = dq.shape
-    launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, scale, HEAD_DIM=D, BLOCK_M=64,
-           PERMUTED=permuted)
+    launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, scale, HEAD_DIM=D, BLOCK_M=64)
 
 
 @functools.cache
@@ -1147,17 +1140,13 @@ if gluon is not None:
 
     @triton.jit
     def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, scale, HEAD_DIM: tl.constexpr,
-                     BLOCK_M: tl.constexpr, PERMUTED: tl.constexpr = False):
-        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides (PERMUTED: head dim c of each
-        64-wide group at 16 * (c % 8 // 2) + 2 * (c % 64 // 8) + c % 2 in DQ32)."""
+                     BLOCK_M: tl.constexpr):
+        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
         offs_d = tl.arange(0, HEAD_DIM)
-        src_d = offs_d
-        if PERMUTED:
-            src_d = offs_d // 64 * 64 + offs_d % 8 // 2 * 16 + offs_d % 64 // 8 * 2 + offs_d % 2
         rows = offs_m[:, None] < L
-        dq = tl.load(DQ32 + (bh.to(tl.int64) * L + offs_m[:, None]) * HEAD_DIM + src_d[None, :], mask=rows)
+        dq = tl.load(DQ32 + (bh.to(tl.int64) * L + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows)
         ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
                 + offs_d[None, :] * stride_d)
         tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
@@ -1222,7 +1211,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, ABLATE: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1279,7 +1268,7 @@ if gluon is not None:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
                                 b * H + hk * GROUP, n_m, m_start, total, qk_scale, cap_scale, WG, BLOCK_M, KEYS,
-                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ, ABLATE)
+                                DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ, OWN_DQ)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1290,7 +1279,7 @@ if gluon is not None:
                    qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
-                   OWN_DQ: gl.constexpr, ABLATE: gl.constexpr = 0):
+                   OWN_DQ: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1309,68 +1298,17 @@ if gluon is not None:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys (OWN_DQ: its own); two
                 # buffers, so that a warpgroup a step ahead never overwrites what the other's dQ_part still reads
                 ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
-                if ABLATE == 8:  # dQ_part issued first, its hand-off under dV and dK
-                    _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-                    ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-                    dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
-                    dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-                    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                    mbarrier.arrive(do_empty.index(buf))
-                    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                    mbarrier.arrive(q_empty.index(buf))
-                else:
-                    dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                    _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
-                    ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
-                    if ABLATE == 3:
-                        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
-                        mbarrier.arrive(do_empty.index(buf))
-                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                        mbarrier.arrive(q_empty.index(buf))
-                    else:
-                        dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
-                        dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
-                        mbarrier.arrive(do_empty.index(buf))
-                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-                        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                        if ABLATE == 0:
-                            _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
-                        elif ABLATE == 1:
-                            tma.store_wait(0)
-                            gl.thread_barrier()
-                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                            fence_async_shared()
-                            tma.async_copy_shared_to_global(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M,
-                                                                      WG * DQ_COLS], dq_smem.index(WG))
-                        elif ABLATE == 2:
-                            if qk_scale < 0.0:  # never: keeps dQ_part's product
-                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                        elif ABLATE == 7:  # the columns permuted so that a thread's 16 values are contiguous
-                            tma.store_wait(0)
-                            gl.thread_barrier()
-                            dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3))
-                            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq_p.reshape([BLOCK_M, DQ_COLS]))
-                            fence_async_shared()
-                            _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
-                                            dq_smem.index(WG))
-                        else:  # 4: no wait for the last reduction's read; 5: no fence; 6: no stores (dq kept live)
-                            if ABLATE != 4:
-                                tma.store_wait(0)
-                            gl.thread_barrier()
-                            if ABLATE != 6:
-                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                            elif qk_scale < 0.0:
-                                dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
-                            if ABLATE != 5:
-                                fence_async_shared()
-                            _tma_reduce_add(dq_desc, [bh0 + i // n_m, m_start + (i % n_m) * BLOCK_M, WG * DQ_COLS],
-                                            dq_smem.index(WG))
-                        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-                        mbarrier.arrive(q_empty.index(buf))
+                dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+                _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
+                ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
+                dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
+                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+                mbarrier.arrive(do_empty.index(buf))
+                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+                mbarrier.arrive(q_empty.index(buf))
         return dk, dv
 
     @gluon.jit
@@ -1674,7 +1612,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, ABLATE: gl.constexpr):
+                         PIPELINED: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1713,14 +1651,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             ABLATE)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             ABLATE)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
         ], [4, 4], [240, 240])
 
 
