@@ -1027,9 +1027,6 @@ ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M = 128, 64
 # hold a second step's tiles (ptxas serializes every wgmma). Warpgroup 0 forms step a's whole dQ_part and warpgroup 1
 # step b's, rather than each half the head dims of both: 1.007-1.057x forward+backward (H200, L 2K-16K, 3 rounds).
 ONE_PASS_STEP_PAIRS = (64,)
-# Whether warpgroup 1 of the step pairs hands step b's dQ_part to the TMA in the next iteration, under step a's S^T
-# and dP^T, rather than at the end of its own iteration with no product in flight.
-ONE_PASS_PAIRS_DEFER_B = False
 # D64 one pass / two passes, fwd+bwd (H200, two runs of 3 rounds, step pairs): 2K keys 1.03-1.12x, 1K not causal
 # 1.08x; single steps at 50d2cd8 measured 2K at 0.95-1.00x
 ONE_PASS_D64_MIN_KEYS = 1024
@@ -1111,8 +1108,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         B * H, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal,
         INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0, DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype),
         STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DEFER_B=ONE_PASS_PAIRS_DEFER_B,
-        num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale)
@@ -1215,7 +1211,7 @@ if gluon is not None:
                       H, GROUP, L, S, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DEFER_B: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1267,7 +1263,7 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
-                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DEFER_B)
+                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty,
                                 do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks,
@@ -1320,7 +1316,7 @@ if gluon is not None:
                         do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
                         total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr, DEFER_B: gl.constexpr = False):
+                        a_layout: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
         forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
@@ -1331,24 +1327,14 @@ if gluon is not None:
         read a's, so warpgroup 1, once past that arrival, must not overwrite a's buffer in the next iteration."""
         dtype: gl.constexpr = q_smem.dtype
         DQ_A: gl.constexpr = WG == 0  # whether this warpgroup forms step a's dQ_part, else b's
-        DEFER: gl.constexpr = DEFER_B and not DQ_A
-        dq_prev = dq_zero
         for j in range(gl.cdiv(total, 2)):
             ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
                                                                                         m_start, BLOCK_M, STAGES)
             ds0 = 2 * (j % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
             # step a: S, dP, P, dS
-            if DEFER:  # the previous iteration's b (every iteration but the last has one)
-                s_t0, dp_t0 = _bwd_step_issue(q_a, do_a, k_tile, v_tile, q_full, do_full, buf_a, (ia // STAGES) & 1,
-                                              s_zero)
-                if j > 0:
-                    _bwd_dq_add(dq_prev, dq_smem, dq_desc, bh0, ia - 1, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
-                p_a, ds_a = _bwd_step_finish(s_t0, dp_t0, lse_smem, delta_smem, buf_a, m0_a, masks, qk_scale, 0.0,
-                                             BLOCK_M, KEYS, CAUSAL, False, False, dtype, col_s, a_layout)
-            else:
-                p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                         (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
-                                         False, False, col_s, a_layout)
+            p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
+                                     False, False, col_s, a_layout)
             ds_smem.index(ds0).slice(WG * KEYS, KEYS).store(ds_a)
             _bwd_ds_publish(ds_ready, 0, False)
             # a's dV, b's S and dP, a's dQ_part (warpgroup 0) and dK: P_b forms under dP_b, dQ_a and dK_a
@@ -1387,14 +1373,9 @@ if gluon is not None:
             mbarrier.arrive(q_empty.index(buf_a))
             mbarrier.arrive(q_empty.index(buf_b), pred=valid_b)
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
-            if DEFER:
-                dq_prev = dq
-            elif not DQ_A:
+            if not DQ_A:
                 if valid_b:
                     _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
-        if DEFER:
-            if total % 2 == 0 and total > 0:
-                _bwd_dq_add(dq_prev, dq_smem, dq_desc, bh0, total - 1, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
         return dk, dv
 
     @gluon.jit
@@ -1631,7 +1612,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DEFER_B: gl.constexpr):
+                         PIPELINED: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1670,14 +1651,12 @@ if gluon is not None:
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 0, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             DEFER_B)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, qk_scale, scale, cap_scale, 1, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED,
-                             DEFER_B)),
+                             BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED)),
         ], [4, 4], [240, 240])
 
 
