@@ -434,7 +434,7 @@ def _bwd_preprocess_kernel(
 ):
     """delta[b * H + h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32), rows L_PAD apart (rows L..L_PAD: 0); LSE2:
     also Lse2 = the logsumexp Lse (rows L apart) in base 2, rows L..L_PAD +inf, and zeros in the fp32 rows DQ32
-    (B * H, L, BLOCK_DV) (the one-pass backward's padded statistics, P = 0 in the padding, and the dQ it adds into;
+    (B * H, L_PAD, BLOCK_DV) (the one-pass backward's padded statistics, P = 0 in the padding, and the dQ it adds into;
     zeroed here rather than by a fill of their own: one launch less on the host's path)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
@@ -451,8 +451,8 @@ def _bwd_preprocess_kernel(
     if LSE2:
         lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
         tl.store(Lse2 + row, lse * 1.4426950408889634, mask=offs_m < L_PAD)
-        dq_rows = (bh.to(tl.int64) * L + offs_m[:, None]) * BLOCK_DV + offs_d[None, :]
-        tl.store(DQ32 + dq_rows, tl.zeros((BLOCK_M, BLOCK_DV), tl.float32), mask=offs_m[:, None] < L)
+        dq_rows = (row[:, None]) * BLOCK_DV + offs_d[None, :]
+        tl.store(DQ32 + dq_rows, tl.zeros((BLOCK_M, BLOCK_DV), tl.float32), mask=offs_m[:, None] < L_PAD)
 
 
 @triton.jit
@@ -1067,7 +1067,7 @@ def attention_backward(
         stats = hopper.one_pass_stats(q)
         lse2, delta = stats.unbind()
         l_pad = stats.shape[-1]
-        dq32 = torch.empty((B * H, L, D), dtype=torch.float32, device=dev)  # the preprocess zeroes it
+        dq32 = torch.empty((B * H, l_pad, D), dtype=torch.float32, device=dev)  # the preprocess zeroes it
         launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, delta, lse, lse2, dq32,
                *out.stride(), *grad_out.stride(), H, L, DV, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
         hopper.attention_backward(q, k, v, grad_out, stats, dq32, hopper_causal, qk_scale, scale, dq, dk, dv,
