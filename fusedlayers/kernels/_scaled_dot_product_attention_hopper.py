@@ -1039,6 +1039,7 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # the order of the accumulator's fragments, so that a warp's instruction covers 512 contiguous bytes (four full L2
 # lines), instead of staging it in shared memory for a TMA reduction: not timed
 ONE_PASS_DQ_FRAGMENTS = ()
+ONE_PASS_DQ_FRAGMENTS_STAGES = 2  # their Q/dO ring (no dQ_part tile in shared memory: room for 3)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1107,7 +1108,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
+    stages = (4 if pairs else ONE_PASS_DQ_FRAGMENTS_STAGES if frag else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
