@@ -932,7 +932,7 @@ def test_triton_kernels_negative_scale(dtype):
 def test_one_pass_statistics_kernel(D):
     """The pass before the Hopper one-pass backward (runs here in the interpreter): per row the base-2 logsumexp and
     delta = rowsum(dO * O), rows padded to whole query blocks (+inf and 0 there: P = 0), from (B, T, H, D) strides;
-    and zeros in every row of the fp32 dQ the one pass adds into, none past its end."""
+    and zeros in every row of the fp32 dQ the one pass adds into (rows padded likewise), none past its end."""
     from fusedlayers.kernels import scaled_dot_product_attention as K
 
     B, H, L, l_pad = 2, 3, 70, 128
@@ -940,7 +940,7 @@ def test_one_pass_statistics_kernel(D):
     lse = torch.randn(B, H, L)
     lse[0, 1, 5] = float("inf")  # a row that sees no key
     stats = torch.full((2, B * H, l_pad), float("nan"))
-    dq32 = torch.full((B * H * L * D + 1,), float("nan"))  # one element past the rows: must stay as it is
+    dq32 = torch.full((B * H * l_pad * D + 1,), float("nan"))  # one element past the rows: must stay as it is
     K.launch(K._bwd_preprocess_kernel, (l_pad // 64, B * H), out, grad_out, stats[1], lse, stats[0], dq32,
              *out.stride(), *grad_out.stride(), H, L, D, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
     delta = (out.float() * grad_out.float()).sum(-1).reshape(B * H, L)
@@ -948,6 +948,33 @@ def test_one_pass_statistics_kernel(D):
     torch.testing.assert_close(stats[0, :, :L], lse.reshape(B * H, L) * K.LOG2E)
     assert (stats[1, :, L:] == 0).all() and (stats[0, :, L:] == float("inf")).all()
     assert (dq32[:-1] == 0).all() and dq32[-1].isnan()
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 (CPU runs)")
+@pytest.mark.parametrize("frag", [False, True], ids=["rows", "fragments"])
+def test_one_pass_dq_conversion(frag):
+    """The pass after the Hopper one-pass backward (runs here in the interpreter): dQ = dq32 * scale in dQ's dtype
+    and (B, T, H, D) strides, from dq32's rows (padded to 64) or, where dQ_part was added by atomics, from each 64 x 64
+    tile in the accumulator's fragment order: head dim j of a tile at permuted column c (a thread's 16 values of a row
+    contiguous), element (r, c) at index (r // 8, c // 4 % 4, r % 8, c // 16, c % 4)."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if hopper.gluon is None:
+        pytest.skip("needs triton's gluon")
+    B, H, L, l_pad, D = 2, 3, 70, 128, 128
+    dq_rows = torch.randn(B * H, l_pad, D)
+    dq32 = dq_rows
+    if frag:
+        tiles = dq_rows.reshape(B * H, l_pad // 64, 64, D // 64, 64).transpose(2, 3)  # (bh, block, part, r, j)
+        j = torch.arange(64)
+        c = j % 8 // 2 * 16 + j // 8 * 2 + j % 2
+        permuted = torch.empty_like(tiles)
+        permuted[..., c] = tiles
+        dq32 = permuted.reshape(B * H, l_pad // 64, D // 64, 8, 8, 4, 4, 4).permute(0, 1, 2, 3, 6, 4, 5, 7)
+        dq32 = dq32.contiguous().reshape(B * H, l_pad, D)
+    dq = torch.empty(B, L, H, D, dtype=torch.float16).transpose(1, 2)
+    hopper._dq_scale(dq32, dq, 0.5, frag)
+    torch.testing.assert_close(dq, (dq_rows[:, :L].reshape(B, H, L, D) * 0.5).half())
 
 
 if INTERPRETER:
@@ -1906,7 +1933,8 @@ HOPPER_HOST_CASES = [
     (128, 4096, True, (1024, 0), 50.0),  # a narrow window (key intervals) with the cap: one-warpgroup forward
     (128, 4096, True, (2048, 0), 0.0),  # a wide one: warp-specialized on intervals
 ]
-HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ", "Stats"}
+HOPPER_POINTERS = {"Out", "Lse", "RowLo", "RowHi", "ColLo", "ColHi", "Schedule", "Delta", "DK", "DV", "DQ", "Stats",
+                   "DQ32"}
 
 
 def _hopper_host_launches(K, monkeypatch_launches, exact_delta_too: bool):
@@ -1936,7 +1964,8 @@ def _check_kernel_parameters(launches, hopper) -> dict:
                 assert isinstance(arg, torch.Tensor), (kernel.__name__, name)
             else:
                 assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
-        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "STATS", "DQ", "CAUSAL", "HEAD_DIM"):
+        for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "STATS", "DQ", "CAUSAL", "HEAD_DIM",
+                    "DQ_FRAG", "FRAG"):
             if key in meta:
                 meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
     return meta_seen
@@ -2040,6 +2069,12 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
         assert args[4].block_shape == [1, 64, meta["HEAD_DIM"] if all_cols else meta["HEAD_DIM"] // 2]
     assert {(meta["OWN_DQ"], meta["STEP_PAIRS"]) for _, meta in one_pass_launches} == {(True, False), (False, True),
                                                                                         (False, False)}
+    # dense D128 calls not causal add dQ_part by atomics into dq32 in fragment order, which the conversion reads
+    frags = [meta["DQ_FRAG"] for _, meta in one_pass_launches]
+    assert frags == [meta["HEAD_DIM"] == 128 and not meta["CAUSAL"] and not meta["INTERVALS"] and not meta["SOFTCAP"]
+                     for _, meta in one_pass_launches]
+    assert frags.count(True) == 1
+    assert [meta["FRAG"] for kernel, _, meta in launches if kernel.__name__ == "_one_pass_dq"] == frags
 
 
 def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):

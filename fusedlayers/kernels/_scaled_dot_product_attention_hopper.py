@@ -1035,13 +1035,13 @@ ONE_PASS_D64_MIN_KEYS = 1024
 # dQ_part (H200, 16K tokens, causal and not, best of 3 shuffled rounds); dense D64 (step pairs or single steps)
 # 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
 ONE_PASS_OWN_DQ_SOFTCAP = (64,)
-# Head dims whose single steps add dQ_part by fp32 vector atomics (16 bytes) from registers, its columns held in
-# dq32 in the order of the accumulator's fragments, so that a warp's instruction covers two whole 256-byte rows,
-# instead of staging it in shared memory for a TMA reduction: not timed. ONE_PASS_DQ_FRAGMENTS_WG1: warpgroup 1's
-# half of the head dims so, warpgroup 0's by the TMA.
-ONE_PASS_DQ_FRAGMENTS = ()
-ONE_PASS_DQ_FRAGMENTS_WG1 = False
-ONE_PASS_DQ_FRAGMENTS_STAGES = 2  # their Q/dO ring (no dQ_part tile in shared memory: room for 3)
+# Head dims whose dense calls, not causal, add dQ_part by 16-byte fp32 atomics from registers into a dq32 held in the
+# order of the accumulator's fragments (``_bwd_dq_red``: a warp's instruction covers 512 contiguous bytes), instead of
+# staging it in shared memory for a TMA reduction: D128 forward+backward 1.003-1.035x (H200, L 2K-16K, two runs of 3
+# shuffled rounds); causal 0.983-1.011x, a 1024-key window 0.92x, packed documents 0.92x (register spills there),
+# which keep the TMA. Two-float atomics in dq32's row layout (a warp's instruction over eight 32-byte pieces) measured
+# 0.84-0.90x.
+ONE_PASS_DQ_FRAGMENTS = (128,)
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1093,9 +1093,10 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                        intervals: tuple[torch.Tensor, ...] | None = None, cap_scale: float = 0.0) -> None:
     """Writes dQ, dK, dV (any strides) in one pass; arguments as ``attention_backward_dkdv``'s, with ``stats``
     (2, B * H, L padded to ONE_PASS_BLOCK_M) fp32 contiguous instead of lse and delta: the logsumexp in base 2 (+inf
-    in the padding rows) and delta (0 there); ``dq32``: (B * H, L, D) fp32 zeros, where the programs add dQ. With
-    ``dq`` and ``dq32`` None, dK and dV alone, by the same producer and consumers (``ws_dkdv_applies``): no
-    unordered sums, so bitwise repeatable."""
+    in the padding rows) and delta (0 there); ``dq32``: (B * H, L padded likewise, D) fp32 zeros, where the programs
+    add dQ (``ONE_PASS_DQ_FRAGMENTS``: in the fragment order of ``_bwd_dq_red``). With ``dq`` and ``dq32`` None, dK
+    and dV alone, by the same producer and consumers (``ws_dkdv_applies``): no unordered sums, so bitwise
+    repeatable."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
@@ -1105,31 +1106,31 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
-    frag = with_dq and not own_dq and not pairs and D in ONE_PASS_DQ_FRAGMENTS
-    frag_from = (1 if ONE_PASS_DQ_FRAGMENTS_WG1 else 0) if frag else 2  # the first warpgroup adding atomically
+    frag = (with_dq and D in ONE_PASS_DQ_FRAGMENTS and not is_causal and intervals is None and cap_scale <= 0.0
+            and not pairs)
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [l_pad * D, D, 1], [1, block_m, dq_cols],
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    stages = (4 if pairs else ONE_PASS_DQ_FRAGMENTS_STAGES if frag_from == 0 else 2) if with_dq else WS_DKDV_STAGES[D]
+    stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
         *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG_FROM=frag_from, num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, num_warps=4,
     )
     if with_dq:
-        _dq_scale(dq32, dq, scale, frag_from * D // 2 if frag else D)
+        _dq_scale(dq32, dq, scale, frag)
 
 
-def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, frag_col: int | None = None) -> None:
-    """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums (rows padded to 64; head dims from
-    ``frag_col`` on in the fragment order of ``_bwd_dq_red``)."""
+def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, frag: bool = False) -> None:
+    """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums (rows padded to 64; ``frag``: in
+    the fragment order of ``_bwd_dq_red``)."""
     B, H, L, D = dq.shape
     launch(_one_pass_dq, (cdiv(L, 64), B * H), dq32, dq, *dq.stride(), H, L, dq32.shape[1], scale, HEAD_DIM=D,
-           BLOCK_M=64, FRAG_COL=D if frag_col is None else frag_col)
+           BLOCK_M=64, FRAG=frag)
 
 
 @functools.cache
@@ -1152,23 +1153,22 @@ if gluon is not None:
 
     @triton.jit
     def _one_pass_dq(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, H, L, L_PAD, scale, HEAD_DIM: tl.constexpr,
-                     BLOCK_M: tl.constexpr, FRAG_COL: tl.constexpr):
-        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides (head dims from FRAG_COL on: each
-        64-row, 64-column tile in the fragment order of ``_bwd_dq_red``)."""
+                     BLOCK_M: tl.constexpr, FRAG: tl.constexpr):
+        """DQ[b, h, i] = DQ32[b * H + h, i] * scale, in DQ's dtype and strides (FRAG: DQ32 in the fragment order of
+        ``_bwd_dq_red``, 64-column parts of each 64-row block)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
         offs_d = tl.arange(0, HEAD_DIM)
         rows = offs_m[:, None] < L
-        src = (bh.to(tl.int64) * L_PAD + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-        if FRAG_COL < HEAD_DIM:
+        if FRAG:
             r = offs_m % 64
             j = offs_d % 64
             c = j % 8 // 2 * 16 + j // 8 * 2 + j % 2  # the column's place in _bwd_dq_red's permuted tile
-            row = r[:, None] // 8 * 8 + (c // 4 % 4 * 2)[None, :] + r[:, None] % 8 // 4
-            col = (r % 4 * 16)[:, None] + (c // 16 * 4 + c % 4)[None, :]
-            frag = ((bh.to(tl.int64) * L_PAD + offs_m[:, None] - r[:, None] + row) * HEAD_DIM + (offs_d - j)[None, :]
-                    + col)
-            src = tl.where(offs_d[None, :] >= FRAG_COL, frag, src)
+            part = (bh.to(tl.int64) * (L_PAD // 64) + tl.program_id(0)) * (HEAD_DIM // 64) + offs_d // 64
+            src = part[None, :] * 4096 + (r // 8 * 512 + r % 8 * 16)[:, None] + (c % 16 // 4 * 128 + c // 16 * 4
+                                                                                  + c % 4)[None, :]
+        else:
+            src = (bh.to(tl.int64) * L_PAD + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
         dq = tl.load(DQ32 + src, mask=rows)
         ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
                 + offs_d[None, :] * stride_d)
@@ -1234,7 +1234,7 @@ if gluon is not None:
                       H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG_FROM: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1292,7 +1292,7 @@ if gluon is not None:
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
                                 masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
                                 BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
-                                OWN_DQ, DQ_FRAG_FROM)
+                                OWN_DQ, DQ_FRAG)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1303,7 +1303,7 @@ if gluon is not None:
                    L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
-                   OWN_DQ: gl.constexpr, DQ_FRAG_FROM: gl.constexpr):
+                   OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1330,8 +1330,8 @@ if gluon is not None:
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                if WG >= DQ_FRAG_FROM:
-                    _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
+                if DQ_FRAG:
+                    _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS)
                 else:
                     _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
@@ -1616,11 +1616,12 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """Adds this warpgroup's 64 x 64 dQ_part of step i (head dims WG * 64 on) to the fp32 dQ by vector atomics
-        from registers. Its columns are permuted in registers (no data movement) so that a thread's 16 values of a row
-        are contiguous, and dq32 holds each 64 x 64 tile in the order of the accumulator's fragments: a warp's 16-byte
-        atomics cover two whole 256-byte rows of the tile."""
+                    DQ_COLS: gl.constexpr):
+        """Adds this warpgroup's 64 x 64 dQ_part of step i (head dims WG * 64 on) to the fp32 dQ by 16-byte atomics
+        from registers, not waited for: no shared-memory tile, fence or barrier. The columns are permuted in registers
+        (no data movement) so that a thread's 16 values of a row are contiguous, and dq32 holds each (64-row block,
+        64-column part) tile in the order of the accumulator's fragments, so that a warp's atomics cover 512 contiguous
+        bytes (four whole L2 lines; in dq32's row layout they would touch 32-byte pieces of eight rows)."""
         dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3)).reshape([BLOCK_M, DQ_COLS])
         # the same registers, renumbered so that a thread's 16 contiguous columns come first (row + 8 last)
         layout: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
@@ -1629,12 +1630,11 @@ if gluon is not None:
         dq_p = gl.convert_layout(dq_p, layout)
         r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         c = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout))
-        # the k-th 16-byte atomic of warp w's row half h (rows 16 w + 8 h + lane // 4) lands in tile rows
-        # 16 w + 8 h + 2 k and + 1, lane // 16 picking the row and lane % 16 the 16 bytes
-        base = ((bh0 + i // n_m).to(gl.int64) * L_PAD + m_start + (i % n_m) * BLOCK_M) * HEAD_DIM + WG * DQ_COLS
-        row_off = (r // 8 * 8 + r % 8 // 4) * HEAD_DIM + r % 4 * 16
-        col_off = c // 4 % 4 * (2 * HEAD_DIM) + c // 16 * 4 + c % 4
-        ptrs = DQ32 + base + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
+        # element (r, c) at index (r // 8, c // 4 % 4, r % 8, c // 16, c % 4) of a (8, 4, 8, 4, 4) tile: the k-th
+        # atomic of warp w's row half h (rows 16 w + 8 h + lane // 4) is the tile's (2 w + h, k) slice
+        tile = ((bh0 + i // n_m).to(gl.int64) * (L_PAD // BLOCK_M) + (m_start // BLOCK_M + i % n_m)) * 2 + WG
+        ptrs = (DQ32 + tile * (BLOCK_M * DQ_COLS) + gl.expand_dims(r // 8 * 512 + r % 8 * 16, 1)
+                + gl.expand_dims(c // 4 % 4 * 128 + c // 16 * 4 + c % 4, 0))
         gl.atomic_add(ptrs, dq_p, sem="relaxed")
 
     @gluon.jit
@@ -1662,7 +1662,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DQ_FRAG_FROM: gl.constexpr):
+                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1702,13 +1702,13 @@ if gluon is not None:
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG_FROM)),
+                             PIPELINED, DQ_FRAG)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG_FROM)),
+                             PIPELINED, DQ_FRAG)),
         ], [4, 4], [240, 240])
 
 
