@@ -1160,16 +1160,16 @@ if gluon is not None:
         bh = tl.program_id(1)
         offs_d = tl.arange(0, HEAD_DIM)
         rows = offs_m[:, None] < L
-        if FRAG:
-            r = offs_m % 64
-            j = offs_d % 64
-            c = j % 8 // 2 * 16 + j // 8 * 2 + j % 2  # the column's place in _bwd_dq_red's permuted tile
-            part = (bh.to(tl.int64) * (L_PAD // 64) + tl.program_id(0)) * (HEAD_DIM // 64) + offs_d // 64
-            src = part[None, :] * 4096 + (r // 8 * 512 + r % 8 * 16)[:, None] + (c % 16 // 4 * 128 + c // 16 * 4
-                                                                                  + c % 4)[None, :]
+        if FRAG:  # the block's tiles read whole, in order, then put back in (row, head dim) order in registers
+            x = tl.load(DQ32 + (bh.to(tl.int64) * (L_PAD // 64) + tl.program_id(0)) * (64 * HEAD_DIM)
+                        + tl.arange(0, 64 * HEAD_DIM))
+            # (part, r // 8, b, r % 8, e, f1, f0) with head dim part * 64 + 16 b + 8 f1 + 2 e + f0 (_bwd_dq_red's
+            # permuted column c = 16 e + 4 b + 2 f1 + f0)
+            x = x.reshape(HEAD_DIM // 64, 8, 4, 8, 4, 2, 2)
+            dq = x.permute(1, 3, 0, 2, 5, 4, 6).reshape(BLOCK_M, HEAD_DIM)
         else:
             src = (bh.to(tl.int64) * L_PAD + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-        dq = tl.load(DQ32 + src, mask=rows)
+            dq = tl.load(DQ32 + src, mask=rows)
         ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
                 + offs_d[None, :] * stride_d)
         tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
