@@ -1622,6 +1622,7 @@ if gluon is not None:
         (no data movement) so that a thread's 16 values of a row are contiguous, and dq32 holds each (64-row block,
         64-column part) tile in the order of the accumulator's fragments, so that a warp's atomics cover 512 contiguous
         bytes (four whole L2 lines; in dq32's row layout they would touch 32-byte pieces of eight rows)."""
+        gl.static_assert(BLOCK_M == 64 and DQ_COLS == 64, "fragment-order tiles are 64 x 64 (D128 single steps)")
         dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3)).reshape([BLOCK_M, DQ_COLS])
         # the same registers, renumbered so that a thread's 16 contiguous columns come first (row + 8 last)
         layout: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
