@@ -1042,6 +1042,10 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # which keep the TMA. Two-float atomics in dq32's row layout (a warp's instruction over eight 32-byte pieces) measured
 # 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = (128,)
+# experiment (benchmarks/experiments/attention_dq_fragments_d64.py): the ring depth of D64 step pairs with fragment
+# atomics, and head dims whose causal calls take them too
+ONE_PASS_PAIRS_FRAG_STAGES = 4
+ONE_PASS_DQ_FRAGMENTS_CAUSAL = ()
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1106,13 +1110,13 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
-    frag = (with_dq and D in ONE_PASS_DQ_FRAGMENTS and not is_causal and intervals is None and cap_scale <= 0.0
-            and not pairs)
+    frag = (with_dq and D in ONE_PASS_DQ_FRAGMENTS and (not is_causal or D in ONE_PASS_DQ_FRAGMENTS_CAUSAL)
+            and intervals is None and cap_scale <= 0.0)
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [l_pad * D, D, 1], [1, block_m, dq_cols],
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    stages = (4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
+    stages = ((ONE_PASS_PAIRS_FRAG_STAGES if frag else 4) if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
@@ -1283,10 +1287,10 @@ if gluon is not None:
                                      k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale,
                                      BLOCK_M, KEYS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout)
         elif STEP_PAIRS:
-            dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full,
+            dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, qk_scale, WG, BLOCK_M,
-                                     KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout)
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, WG,
+                                     BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
@@ -1331,7 +1335,7 @@ if gluon is not None:
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
                 if DQ_FRAG:
-                    _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS)
+                    _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
                 else:
                     _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
@@ -1339,11 +1343,11 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, do_full,
-                        do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start,
-                        total, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+    def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty,
+                        do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m,
+                        m_start, total, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr):
+                        a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
         forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
@@ -1386,7 +1390,10 @@ if gluon is not None:
             _bwd_ds_publish(ds_ready, 1, False)
             if DQ_A:
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
+                if DQ_FRAG:
+                    _bwd_dq_red(dq, DQ32, bh0, ia, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS, DQ_COLS)
+                else:
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
             # b's dV, dQ_part (warpgroup 1) and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             if not DQ_A:
@@ -1402,7 +1409,10 @@ if gluon is not None:
             mbarrier.arrive(do_empty.index(buf_b), pred=valid_b)
             if not DQ_A:
                 if valid_b:
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
+                    if DQ_FRAG:
+                        _bwd_dq_red(dq, DQ32, bh0, ib, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS, DQ_COLS)
+                    else:
+                        _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
         return dk, dv
 
     @gluon.jit
@@ -1616,13 +1626,14 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                    DQ_COLS: gl.constexpr):
+                    DQ_COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
         """Adds this warpgroup's 64 x 64 dQ_part of step i (head dims WG * 64 on) to the fp32 dQ by 16-byte atomics
         from registers, not waited for: no shared-memory tile, fence or barrier. The columns are permuted in registers
         (no data movement) so that a thread's 16 values of a row are contiguous, and dq32 holds each (64-row block,
         64-column part) tile in the order of the accumulator's fragments, so that a warp's atomics cover 512 contiguous
         bytes (four whole L2 lines; in dq32's row layout they would touch 32-byte pieces of eight rows)."""
-        gl.static_assert(BLOCK_M == 64 and DQ_COLS == 64, "fragment-order tiles are 64 x 64 (D128 single steps)")
+        gl.static_assert(BLOCK_M == 64 and DQ_COLS == 64,
+                         "fragment-order tiles are 64 x 64 (D128 single steps, D64 step pairs)")
         dq_p = dq.reshape([BLOCK_M, DQ_COLS // 8, 4, 2]).permute((0, 2, 1, 3)).reshape([BLOCK_M, DQ_COLS])
         # the same registers, renumbered so that a thread's 16 contiguous columns come first (row + 8 last)
         layout: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
@@ -1633,7 +1644,8 @@ if gluon is not None:
         c = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout))
         # element (r, c) at index (r // 8, c // 4 % 4, r % 8, c // 16, c % 4) of a (8, 4, 8, 4, 4) tile: the k-th
         # atomic of warp w's row half h (rows 16 w + 8 h + lane // 4) is the tile's (2 w + h, k) slice
-        tile = ((bh0 + i // n_m).to(gl.int64) * (L_PAD // BLOCK_M) + (m_start // BLOCK_M + i % n_m)) * 2 + WG
+        tile = (((bh0 + i // n_m).to(gl.int64) * (L_PAD // BLOCK_M) + (m_start // BLOCK_M + i % n_m))
+                * (HEAD_DIM // DQ_COLS) + WG)
         ptrs = (DQ32 + tile * (BLOCK_M * DQ_COLS) + gl.expand_dims(r // 8 * 512 + r % 8 * 16, 1)
                 + gl.expand_dims(c // 4 % 4 * 128 + c // 16 * 4 + c % 4, 0))
         gl.atomic_add(ptrs, dq_p, sem="relaxed")
