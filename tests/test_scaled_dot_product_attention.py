@@ -2069,11 +2069,13 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
         assert args[4].block_shape == [1, 64, meta["HEAD_DIM"] if all_cols else meta["HEAD_DIM"] // 2]
     assert {(meta["OWN_DQ"], meta["STEP_PAIRS"]) for _, meta in one_pass_launches} == {(True, False), (False, True),
                                                                                         (False, False)}
-    # dense D128 calls not causal add dQ_part by atomics into dq32 in fragment order, which the conversion reads
+    # dense D128 calls not causal and D64 causal add dQ_part by atomics into dq32 in fragment order, with their own
+    # ring depth; the conversion reads that order
     frags = [meta["DQ_FRAG"] for _, meta in one_pass_launches]
-    assert frags == [meta["HEAD_DIM"] == 128 and not meta["CAUSAL"] and not meta["INTERVALS"] and not meta["SOFTCAP"]
-                     for _, meta in one_pass_launches]
-    assert frags.count(True) == 1
+    assert frags == [(meta["HEAD_DIM"], meta["CAUSAL"]) in {(128, False), (64, True)} and not meta["INTERVALS"]
+                     and not meta["SOFTCAP"] for _, meta in one_pass_launches]
+    assert frags.count(True) == 2
+    assert [meta["STAGES"] for _, meta in one_pass_launches if meta["DQ_FRAG"]] == [2, 6]
     assert [meta["FRAG"] for kernel, _, meta in launches if kernel.__name__ == "_one_pass_dq"] == frags
 
 

@@ -1035,17 +1035,15 @@ ONE_PASS_D64_MIN_KEYS = 1024
 # dQ_part (H200, 16K tokens, causal and not, best of 3 shuffled rounds); dense D64 (step pairs or single steps)
 # 0.93-0.97x, packed documents and windows 0.99-1.01x. D128 needs 64 KB more shared memory than the SM has.
 ONE_PASS_OWN_DQ_SOFTCAP = (64,)
-# Head dims whose dense calls, not causal, add dQ_part by 16-byte fp32 atomics from registers into a dq32 held in the
-# order of the accumulator's fragments (``_bwd_dq_red``: a warp's instruction covers 512 contiguous bytes), instead of
-# staging it in shared memory for a TMA reduction: D128 forward+backward 1.003-1.035x (H200, L 2K-16K, two runs of 3
-# shuffled rounds); causal 0.983-1.011x, a 1024-key window 0.92x, packed documents 0.92x (register spills there),
-# which keep the TMA. Two-float atomics in dq32's row layout (a warp's instruction over eight 32-byte pieces) measured
-# 0.84-0.90x.
-ONE_PASS_DQ_FRAGMENTS = (128,)
-# experiment (benchmarks/experiments/attention_dq_fragments_d64.py): the ring depth of D64 step pairs with fragment
-# atomics, and head dims whose causal calls take them too
-ONE_PASS_PAIRS_FRAG_STAGES = 4
-ONE_PASS_DQ_FRAGMENTS_CAUSAL = ()
+# (head dim, causal) of the dense calls that add dQ_part by 16-byte fp32 atomics from registers into a dq32 held in
+# the order of the accumulator's fragments (``_bwd_dq_red``: a warp's instruction covers 512 contiguous bytes), instead
+# of staging it in shared memory for a TMA reduction, and the Q/dO ring depth that the freed shared memory then allows.
+# Forward+backward against the TMA (H200, L 2K-16K, two runs of 3 shuffled rounds): D128 not causal 1.003-1.035x;
+# causal 0.983-1.011x, a 1024-key window 0.92x, packed documents 0.92x (register spills there), which keep the TMA.
+# D64 step pairs causal with a 6-deep ring 1.006-1.049x (4-deep 0.981-1.024x, 5-deep 0.997-1.018x); not causal
+# 0.972-0.996x at 4-6 deep, which keep the TMA. Two-float atomics in dq32's row layout (a warp's instruction over eight
+# 32-byte pieces) measured 0.84-0.90x.
+ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1110,13 +1108,13 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     own_dq = cap_scale > 0.0 and D in ONE_PASS_OWN_DQ_SOFTCAP
     pairs = D in ONE_PASS_STEP_PAIRS and intervals is None and cap_scale <= 0.0
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
-    frag = (with_dq and D in ONE_PASS_DQ_FRAGMENTS and (not is_causal or D in ONE_PASS_DQ_FRAGMENTS_CAUSAL)
-            and intervals is None and cap_scale <= 0.0)
+    frag_stages = ONE_PASS_DQ_FRAGMENTS.get((D, is_causal)) if intervals is None and cap_scale <= 0.0 else None
+    frag = with_dq and frag_stages is not None
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [l_pad * D, D, 1], [1, block_m, dq_cols],
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    stages = ((ONE_PASS_PAIRS_FRAG_STAGES if frag else 4) if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
+    stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
