@@ -1,4 +1,5 @@
-"""Experiment (H200, run from the repo root): the default mode's dense D128 causal one pass with each dQ_part added
+"""Experiment (H200, run from the repo root; ``python ... 64``: D64 at L 1K-2K, where the one pass starts): the default
+mode's dense D128 causal one pass with each dQ_part added
 to the fp32 dQ by 16-byte fp32 atomics from registers into a dq32 in the accumulator's fragment order ("fragN", an
 N-deep Q/dO ring in the freed shared memory), against staging it in shared memory for a TMA reduction ("tma"), and
 cuDNN: forward+backward TFLOP/s, best of 3 shuffled rounds of triton.testing.do_bench, (B, H, L, D) bf16 inputs,
@@ -8,6 +9,7 @@ B*L = 16384, H*D = 2048, two runs. First, each variant's gradients against float
 """
 import itertools
 import random
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,13 @@ import fusedlayers as fl
 from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
 KEPT = dict(hopper.ONE_PASS_DQ_FRAGMENTS)
-VARIANTS = {"tma": KEPT, "frag2": KEPT | {(128, True): 2}, "frag3": KEPT | {(128, True): 3}}
-D = 128
+D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+if D == 64:  # the kept 6-deep fragment form against the TMA
+    VARIANTS = {"tma": {k: v for k, v in KEPT.items() if k != (64, True)}, "frag6": KEPT}
+    LENGTHS = (1024, 1536, 2048)
+else:
+    VARIANTS = {"tma": KEPT, "frag2": KEPT | {(128, True): 2}, "frag3": KEPT | {(128, True): 3}}
+    LENGTHS = (2048, 4096, 16384)
 
 
 def use(name):
@@ -72,8 +79,8 @@ def ours(name, fn):
     return run
 
 
-for run, L in itertools.product((1, 2), (2048, 4096, 16384)):
-    B, H = 16384 // L, 2048 // D
+for run, L in itertools.product((1, 2), LENGTHS):
+    B, H = max(16384 // L, 1), 2048 // D
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
 
