@@ -1044,7 +1044,6 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 0.972-0.996x at 4-6 deep, which keep the TMA. Two-float atomics in dq32's row layout (a warp's instruction over eight
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
-ONE_PASS_ROTATE = ()  # experiment: (head dim, fragment atomics) of the not-causal dense calls whose steps rotate
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1116,11 +1115,10 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
-    rotate = int(with_dq and not is_causal and intervals is None and (D, frag) in ONE_PASS_ROTATE)
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, rotate, HEAD_DIM=D, BLOCK_M=block_m,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, num_warps=4,
@@ -1185,7 +1183,7 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROTATE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
         """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
         block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
@@ -1202,29 +1200,25 @@ if gluon is not None:
             else:
                 m_start = 0
             n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
-        # ROTATE: key block n's steps start at step n (mod the steps), so that the key blocks running at once add to
-        # different dQ tiles
-        rot = (gl.program_id(0) * ROTATE) % gl.maximum(GROUP * n_m, 1)
-        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m, rot
+        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
-                      ROTATE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      INTERVALS: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      STAGES: gl.constexpr):
         """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
         refilled once both consumers released it."""
-        n0, b, hk, n_m, m_start, total, rot = _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROTATE, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, INTERVALS)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
         for i in range(total):
             buf = i % STAGES
             empty_phase = ((i // STAGES) & 1) ^ 1
-            step = (i + rot) % total
-            h = hk * GROUP + step // n_m
-            m0 = m_start + (step % n_m) * BLOCK_M
+            h = hk * GROUP + i // n_m
+            m0 = m_start + (i % n_m) * BLOCK_M
             mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
             mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
@@ -1239,8 +1233,7 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, ROTATE, WG: gl.constexpr,
-                      HEAD_DIM: gl.constexpr,
+                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
                       OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
@@ -1260,8 +1253,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total, rot = _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROTATE, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, INTERVALS)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1294,12 +1287,12 @@ if gluon is not None:
         elif STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, rot, L_PAD, qk_scale, WG,
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, WG,
                                      BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
-                                masks, b * H + hk * GROUP, n_m, m_start, total, rot, L_PAD, qk_scale, cap_scale, WG,
+                                masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
                                 BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
                                 OWN_DQ, DQ_FRAG)
         tma.store_wait(0)
@@ -1309,7 +1302,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty, do_full,
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
-                   rot, L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
                    OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr):
@@ -1318,8 +1311,7 @@ if gluon is not None:
         for i in range(total):
             buf = i % STAGES
             phase = (i // STAGES) & 1
-            step = (i + rot) % total  # the producer's order
-            m0 = m_start + (step % n_m) * BLOCK_M
+            m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
@@ -1341,9 +1333,9 @@ if gluon is not None:
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
                 if DQ_FRAG:
-                    _bwd_dq_red(dq, DQ32, bh0, step, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
+                    _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
                 else:
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, step, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
         return dk, dv
@@ -1351,9 +1343,9 @@ if gluon is not None:
     @gluon.jit
     def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty,
                         do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m,
-                        m_start, total, rot, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                        KEYS: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        col_s: gl.constexpr, a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
+                        m_start, total, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                        DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
+                        a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
         forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
@@ -1365,8 +1357,8 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         DQ_A: gl.constexpr = WG == 0  # whether this warpgroup forms step a's dQ_part, else b's
         for j in range(gl.cdiv(total, 2)):
-            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, rot,
-                                                                                        n_m, m_start, BLOCK_M, STAGES)
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
             ds0 = 2 * (j % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
@@ -1397,11 +1389,9 @@ if gluon is not None:
             if DQ_A:
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
                 if DQ_FRAG:
-                    _bwd_dq_red(dq, DQ32, bh0, (ia + rot) % total, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS,
-                                DQ_COLS)
+                    _bwd_dq_red(dq, DQ32, bh0, ia, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS, DQ_COLS)
                 else:
-                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, (ia + rot) % total, n_m, m_start, WG, BLOCK_M, DQ_COLS,
-                                True)
+                    _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
             # b's dV, dQ_part (warpgroup 1) and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             if not DQ_A:
@@ -1418,15 +1408,13 @@ if gluon is not None:
             if not DQ_A:
                 if valid_b:
                     if DQ_FRAG:
-                        _bwd_dq_red(dq, DQ32, bh0, (ib + rot) % total, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS,
-                                    DQ_COLS)
+                        _bwd_dq_red(dq, DQ32, bh0, ib, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS, DQ_COLS)
                     else:
-                        _bwd_dq_add(dq, dq_smem, dq_desc, bh0, (ib + rot) % total, n_m, m_start, WG, BLOCK_M,
-                                    DQ_COLS, True)
+                        _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ib, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
         return dk, dv
 
     @gluon.jit
-    def _step_pair(q_smem, do_smem, j, total, rot, n_m, m_start, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         """Iteration j's steps a and b: their indices, whether b exists (else it runs on a's buffers), ring slots,
         first query rows, and Q and dO tiles."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
@@ -1435,8 +1423,8 @@ if gluon is not None:
         valid_b = ib < total
         buf_a = ia % STAGES
         buf_b = gl.where(valid_b, ib % STAGES, buf_a)
-        m0_a = m_start + ((ia + rot) % total % n_m) * BLOCK_M
-        m0_b = m_start + ((ib + rot) % total % n_m) * BLOCK_M
+        m0_a = m_start + (ia % n_m) * BLOCK_M
+        m0_b = m_start + (ib % n_m) * BLOCK_M
         q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
         do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
         q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
@@ -1511,8 +1499,8 @@ if gluon is not None:
         waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
         for j in range(gl.cdiv(total, 2)):
-            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, 0,
-                                                                                        n_m, m_start, BLOCK_M, STAGES)
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout)
@@ -1681,7 +1669,7 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale, ROTATE,
+                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
@@ -1719,17 +1707,17 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                             BH, ROTATE, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
+                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, ROTATE, 0,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
                              PIPELINED, DQ_FRAG)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, ROTATE, 1,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
                              PIPELINED, DQ_FRAG)),
         ], [4, 4], [240, 240])
