@@ -1838,8 +1838,8 @@ HOPPER_ONE_PASS_CASES = [
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_ONE_PASS_CASES])
 def test_cuda_hopper_one_pass_backward(case, layout, dtype, monkeypatch):
     """On Hopper the default (non-deterministic) backward of dense D64/D128 calls is one pass (dQ added by unordered
-    fp32 TMA reductions), the deterministic one the two passes (dK/dV warp-specialized from its key floor): parity in
-    both, and which kernels ran."""
+    fp32 TMA reductions or atomics), the deterministic one the two passes (dK/dV warp-specialized from its key
+    floor): parity in both, and which kernels ran."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] != 9:

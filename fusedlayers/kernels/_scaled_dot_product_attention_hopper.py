@@ -1388,7 +1388,7 @@ if gluon is not None:
             _bwd_ds_publish(ds_ready, 1, False)
             if DQ_A:
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                if DQ_FRAG:
+                if DQ_FRAG:  # a pair's dQ_part spans every head dim (DQ_COLS is the head dim): one 64 x 64 part
                     _bwd_dq_red(dq, DQ32, bh0, ia, n_m, m_start, L_PAD, 0, BLOCK_M, DQ_COLS, DQ_COLS)
                 else:
                     _bwd_dq_add(dq, dq_smem, dq_desc, bh0, ia, n_m, m_start, WG, BLOCK_M, DQ_COLS, True)
