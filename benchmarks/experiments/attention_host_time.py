@@ -53,17 +53,22 @@ for D, L, causal in [(128, 2048, False), (128, 2048, True), (64, 2048, False), (
         row.append(f"{name} forward {fwd:.0f} us, backward {bwd:.0f} us")
     print(f"D{D} L{L} causal={causal}: " + "; ".join(row), flush=True)
 
-D, L = 128, 2048
-q, k, v = (torch.randn(8, 16, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-g = torch.randn(8, 16, L, D, device="cuda", dtype=torch.bfloat16)
-profile = cProfile.Profile()
-for _ in range(100):
-    torch.cuda.synchronize()
-    profile.enable()
-    out = fl.scaled_dot_product_attention(q, k, v)
-    profile.disable()
-    torch.cuda.synchronize()
-    profile.enable()
-    torch.autograd.grad(out, (q, k, v), g)
-    profile.disable()
-pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+for L in (2048, 16384):
+    D, B = 128, 16384 // L
+    q, k, v = (torch.randn(B, 16, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, 16, L, D, device="cuda", dtype=torch.bfloat16)
+    for part in ("forward", "backward"):
+        profile = cProfile.Profile()
+        for _ in range(50):
+            torch.cuda.synchronize()
+            if part == "forward":
+                profile.enable()
+            out = fl.scaled_dot_product_attention(q, k, v)
+            profile.disable()
+            torch.cuda.synchronize()
+            if part == "backward":
+                profile.enable()
+            torch.autograd.grad(out, (q, k, v), g)
+            profile.disable()
+        print(f"== L{L} {part}, 50 calls")
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(22)
