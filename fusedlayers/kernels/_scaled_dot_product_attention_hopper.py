@@ -1127,7 +1127,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         _dq_scale(dq32, dq, scale, frag)
 
 
-def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, frag: bool = False) -> None:
+def _dq_scale(dq32: torch.Tensor, dq: torch.Tensor, scale: float, frag: bool) -> None:
     """dq = dq32 * scale in dq's dtype and strides, one pass over the fp32 sums (rows padded to 64; ``frag``: in
     the fragment order of ``_bwd_dq_red``)."""
     B, H, L, D = dq.shape
@@ -1163,8 +1163,9 @@ if gluon is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         rows = offs_m[:, None] < L
         if FRAG:  # the block's tiles read whole, in order, then put back in (row, head dim) order in registers
-            x = tl.load(DQ32 + (bh.to(tl.int64) * (L_PAD // 64) + tl.program_id(0)) * (64 * HEAD_DIM)
-                        + tl.arange(0, 64 * HEAD_DIM))
+            tl.static_assert(BLOCK_M == 64, "fragment-order tiles are 64 x 64")
+            x = tl.load(DQ32 + (bh.to(tl.int64) * (L_PAD // BLOCK_M) + tl.program_id(0)) * (BLOCK_M * HEAD_DIM)
+                        + tl.arange(0, BLOCK_M * HEAD_DIM))
             # (part, r // 8, b, r % 8, e, f1, f0) with head dim part * 64 + 16 b + 8 f1 + 2 e + f0 (_bwd_dq_red's
             # permuted column c = 16 e + 4 b + 2 f1 + f0)
             x = x.reshape(HEAD_DIM // 64, 8, 4, 8, 4, 2, 2)

@@ -451,7 +451,7 @@ def _bwd_preprocess_kernel(
     if LSE2:
         lse = tl.load(Lse + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=float("inf"))
         tl.store(Lse2 + row, lse * 1.4426950408889634, mask=offs_m < L_PAD)
-        dq_rows = (row[:, None]) * BLOCK_DV + offs_d[None, :]
+        dq_rows = row[:, None] * BLOCK_DV + offs_d[None, :]
         tl.store(DQ32 + dq_rows, tl.zeros((BLOCK_M, BLOCK_DV), tl.float32), mask=offs_m[:, None] < L_PAD)
 
 
