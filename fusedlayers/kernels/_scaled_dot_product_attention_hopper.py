@@ -1045,12 +1045,6 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
-# Experiment (off): the deterministic mode's dense D128 calls not causal in one pass, dQ_part added by the
-# fragment-order atomics in a fixed order. Key block n walks the steps from n * (steps // key blocks) on, wrapping
-# (``_bwd_program``), so that the key block before it in a dQ tile's order passed that tile a few steps earlier; a
-# counter per (step, warpgroup) counts the warpgroups' threads that added (each releases its own atomics one step
-# later, so that no thread waits for its additions to land), and a warpgroup adds once its turn's count is there.
-ONE_PASS_ORDERED = False
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Deterministic forward+backward against
@@ -1077,17 +1071,6 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
     D = q.shape[-1]
     return (one_pass_enabled and D in ONE_PASS_HEAD_DIMS and (D == 64 or not softcap)
             and (D > 64 or k.shape[2] >= ONE_PASS_D64_MIN_KEYS) and not backend.deterministic_attention())
-
-
-def ordered_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, intervals: bool, softcap: bool) -> bool:
-    """Whether a deterministic backward runs in one pass with ordered dQ additions (``ONE_PASS_ORDERED``): dense D128
-    not causal, every key block of a head on the SMs at once (a key block waits on the next one launched) and at least
-    one step per key block."""
-    B, H, L, D = q.shape
-    blocks = cdiv(k.shape[2], ONE_PASS_BLOCK_N)
-    return (ONE_PASS_ORDERED and backend.deterministic_attention() and D == 128 and not is_causal and not intervals
-            and not softcap and blocks <= _sm_count(q.device.index)
-            and H // k.shape[1] * cdiv(L, ONE_PASS_BLOCK_M) >= blocks)
 
 
 def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, intervals: bool, softcap: bool) -> bool:
@@ -1127,10 +1110,6 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     dq_cols = D if own_dq or pairs else D // 2  # the head dims of a warpgroup's dQ_part (the kernel's DQ_COLS)
     frag_stages = ONE_PASS_DQ_FRAGMENTS.get((D, is_causal)) if intervals is None and cap_scale <= 0.0 else None
     frag = with_dq and frag_stages is not None
-    ordered = frag and ordered_applies(q, k, is_causal, intervals is not None, cap_scale > 0.0)
-    n_m = cdiv(L, block_m)
-    turns = torch.zeros(B * H * n_m * 2, dtype=torch.int32, device=q.device) if ordered else stats
-    rot = (H // H_kv) * n_m // cdiv(S, block_n) if ordered else 0
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [l_pad * D, D, 1], [1, block_m, dq_cols],
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
@@ -1139,12 +1118,10 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, turns, rot, HEAD_DIM=D,
-        BLOCK_M=block_m,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, ORDERED=ordered,
-        num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
@@ -1207,8 +1184,8 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ORDERED: gl.constexpr):
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
         """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
         block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
         holding its first key on; INTERVALS: the blocks its keys' query intervals reach)."""
@@ -1224,31 +1201,25 @@ if gluon is not None:
             else:
                 m_start = 0
             n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
-        rot = 0
-        if ORDERED:  # key block n's walk starts at step n * ROT
-            rot = (gl.program_id(0) * ROT) % gl.maximum(GROUP * n_m, 1)
-        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m, rot
+        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
-                      ROT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      STAGES: gl.constexpr, ORDERED: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      STAGES: gl.constexpr):
         """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
         refilled once both consumers released it."""
-        n0, b, hk, n_m, m_start, total, rot = _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROT, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, INTERVALS, ORDERED)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
         for i in range(total):
             buf = i % STAGES
             empty_phase = ((i // STAGES) & 1) ^ 1
-            step = i
-            if ORDERED:
-                step = (i + rot) % total
-            h = hk * GROUP + step // n_m
-            m0 = m_start + (step % n_m) * BLOCK_M
+            h = hk * GROUP + i // n_m
+            m0 = m_start + (i % n_m) * BLOCK_M
             mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
             mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
@@ -1263,11 +1234,10 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, Turns, ROT, WG: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
-                      DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
-                      ORDERED: gl.constexpr):
+                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1284,8 +1254,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total, rot = _bwd_program(ColLo, ColHi, H, GROUP, L, S, ROT, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, INTERVALS, ORDERED)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1323,9 +1293,9 @@ if gluon is not None:
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
-                                masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, Turns,
-                                rot, ROT, WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s,
-                                a_layout, DQ, OWN_DQ, DQ_FRAG, ORDERED)
+                                masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
+                                BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
+                                OWN_DQ, DQ_FRAG)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1333,21 +1303,16 @@ if gluon is not None:
     @gluon.jit
     def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty, do_full,
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
-                   L_PAD, qk_scale, cap_scale, Turns, rot, ROT, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                   KEYS: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                   SOFTCAP: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr,
-                   DQ: gl.constexpr, OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr, ORDERED: gl.constexpr):
-        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step. ORDERED: the
-        steps from ``rot`` on, dQ_part added in its turn (``_wait_turn``)."""
+                   L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
+                   STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
+                   OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr):
+        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
-        prev = Turns  # the counter of the previous step's addition, released at this step's
         for i in range(total):
             buf = i % STAGES
             phase = (i // STAGES) & 1
-            step = i
-            if ORDERED:
-                step = (i + rot) % total  # the producer's order
-            m0 = m_start + (step % n_m) * BLOCK_M
+            m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
@@ -1368,46 +1333,13 @@ if gluon is not None:
                 mbarrier.arrive(do_empty.index(buf))
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-                if ORDERED:
-                    if i > 0:
-                        _count_turn(prev)
-                    turn = Turns + ((bh0 * n_m + step) * 2 + WG)
-                    _wait_turn(turn, 128 * _turn_rank(step, ROT))
-                    _bwd_dq_red(dq, DQ32, bh0, step, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
-                    prev = turn
-                elif DQ_FRAG:
+                if DQ_FRAG:
                     _bwd_dq_red(dq, DQ32, bh0, i, n_m, m_start, L_PAD, WG, BLOCK_M, DQ_COLS, HEAD_DIM)
                 else:
                     _bwd_dq_add(dq, dq_smem, dq_desc, bh0, i, n_m, m_start, WG, BLOCK_M, DQ_COLS, OWN_DQ)
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
                 mbarrier.arrive(q_empty.index(buf))
-        if ORDERED:
-            if total > 0:
-                _count_turn(prev)
         return dk, dv
-
-    @gluon.jit
-    def _turn_rank(step, ROT):
-        """How many key blocks add to step ``step``'s dQ tile before this one: walks start ROT steps apart, so the
-        key block whose walk starts at or just below the step comes first, then the ones below it, wrapping."""
-        n = gl.program_id(0)
-        blocks = gl.num_programs(0)
-        first = gl.minimum(step // ROT, blocks - 1)
-        return (first - n + blocks) % blocks
-
-    @gluon.jit
-    def _wait_turn(turn, count):
-        """Spins until the counter at ``turn`` reads ``count`` (acquire: the additions it counts are visible)."""
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 v; spin_${:uid}: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2;"
-            " @p bra spin_${:uid}; mov.u32 $0, 0; }",
-            "=r,l,r", [turn, count], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _count_turn(turn):
-        """This thread's atomics of the counted step are done (release), one count."""
-        gl.inline_asm_elementwise("red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0;", "=r,l", [turn],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty,
@@ -1738,11 +1670,11 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale, Turns, ROT,
+                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, ORDERED: gl.constexpr):
+                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1776,19 +1708,19 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                             BH, ROT, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, ORDERED)),
+                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, Turns,
-                             ROT, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
-                             DQ, OWN_DQ, PIPELINED, DQ_FRAG, ORDERED)),
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
+                             PIPELINED, DQ_FRAG)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, Turns,
-                             ROT, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
-                             DQ, OWN_DQ, PIPELINED, DQ_FRAG, ORDERED)),
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
+                             PIPELINED, DQ_FRAG)),
         ], [4, 4], [240, 240])
 
 

@@ -1063,8 +1063,7 @@ def attention_backward(
         qk_scale, cap_scale = _hopper_scales(q.dtype, scale, softcap)
     if (hopper_dkdv and hopper_dq and need_dq and need_dk and need_dv and not need_dmask and not exact_delta
             and BWD_DKDV_CONFIG is None and BWD_DQ_CONFIG is None
-            and (hopper.one_pass_applies(q, k, softcap > 0.0)
-                 or hopper.ordered_applies(q, k, hopper_causal, hopper_intervals is not None, softcap > 0.0))):
+            and hopper.one_pass_applies(q, k, softcap > 0.0)):
         stats = hopper.one_pass_stats(q)
         lse2, delta = stats.unbind()
         l_pad = stats.shape[-1]
