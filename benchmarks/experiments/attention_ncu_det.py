@@ -15,7 +15,9 @@ import csv
 import sys
 
 if len(sys.argv) > 1:
-    rows = list(csv.DictReader(open(sys.argv[1])))
+    lines = open(sys.argv[1]).read().splitlines()
+    first = next(i for i, line in enumerate(lines) if "Warp Stall Sampling" in line)  # past the kernel-name line
+    rows = list(csv.DictReader(lines[first:]))
     cols = list(rows[0])
     print("columns:", cols)
     total_col = next(c for c in cols if "Warp Stall Sampling (All" in c)
