@@ -1062,6 +1062,10 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
+# Experiment: the one-pass kernel's consumers read a step's logsumexp and delta from shared memory as soon as their
+# tiles arrive, before issuing the step's S^T and dP^T, rather than behind those products (where the loads queue
+# behind the products' shared-memory reads and the softmax waits for them: Nsight Compute, short-scoreboard stalls).
+STATS_EARLY = False
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
@@ -1121,7 +1125,8 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=STATS_EARLY,
+        num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
@@ -1237,7 +1242,7 @@ if gluon is not None:
                       H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                       SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1280,7 +1285,7 @@ if gluon is not None:
         if STEP_PAIRS and not DQ:
             dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
                                           k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
-                                          BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout)
+                                          BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout, EARLY)
         elif PIPELINED:
             dk, dv = _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
                                      k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, cap_scale,
@@ -1289,13 +1294,13 @@ if gluon is not None:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
                                      dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, WG,
-                                     BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG)
+                                     BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG, EARLY)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
                                 masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
                                 BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
-                                OWN_DQ, DQ_FRAG)
+                                OWN_DQ, DQ_FRAG, EARLY)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
@@ -1306,7 +1311,7 @@ if gluon is not None:
                    L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
-                   OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr):
+                   OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
@@ -1317,7 +1322,7 @@ if gluon is not None:
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             p_a, ds_t = _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf,
                                      phase, s_zero, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
-                                     SOFTCAP, col_s, a_layout)
+                                     SOFTCAP, col_s, a_layout, EARLY)
             if not DQ:
                 dk, dv, _, _ = _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full, do_empty,
                                                   k_tile, v_tile, dk, dv, s_zero, i, BLOCK_M, STAGES, a_layout, False)
@@ -1346,7 +1351,7 @@ if gluon is not None:
                         do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m,
                         m_start, total, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                         DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                        a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
+                        a_layout: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
         forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
@@ -1364,25 +1369,31 @@ if gluon is not None:
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
-                                     False, False, col_s, a_layout)
+                                     False, False, col_s, a_layout, EARLY)
             ds_smem.index(ds0).slice(WG * KEYS, KEYS).store(ds_a)
             _bwd_ds_publish(ds_ready, 0, False)
             # a's dV, b's S and dP, a's dQ_part (warpgroup 0) and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
             mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            if EARLY:
+                lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            if EARLY:
+                delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if DQ_A:
                 dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, j, WG, KEYS, False), dq_b, dq_zero,
                                    use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
-            lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
+            if not EARLY:
+                lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             dv, s_t = warpgroup_mma_wait(num_outstanding=2 + DQ_A, deps=(dv, s_t))
             mbarrier.arrive(do_empty.index(buf_a))
             p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
                                    col_s, a_layout)
-            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
+            if not EARLY:
+                delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=1 + DQ_A, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
             ds_smem.index(ds0 + 1).slice(WG * KEYS, KEYS).store(ds_b)
@@ -1495,7 +1506,7 @@ if gluon is not None:
     def _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
                              v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
                              KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                             a_layout: gl.constexpr):
+                             a_layout: gl.constexpr, EARLY: gl.constexpr):
         """``_bwd_step_pairs`` without dQ: a's dV and dK products run under b's S^T and dP^T, and every product is
         waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
@@ -1504,19 +1515,25 @@ if gluon is not None:
                                                                                         m_start, BLOCK_M, STAGES)
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
                                      (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
-                                     False, False, col_s, a_layout)
+                                     False, False, col_s, a_layout, EARLY)
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
             mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            if EARLY:
+                lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            if EARLY:
+                delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
-            lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
+            if not EARLY:
+                lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             dv, s_t = warpgroup_mma_wait(num_outstanding=2, deps=(dv, s_t))
             mbarrier.arrive(do_empty.index(buf_a))
             p_a, p_ds = _bwd_probs(s_t, lse2, m0_b, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL, False, False, dtype,
                                    col_s, a_layout)
-            delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
+            if not EARLY:
+                delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
             ds_b = (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
@@ -1530,9 +1547,23 @@ if gluon is not None:
     @gluon.jit
     def _bwd_step_ds(q_tile, do_tile, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf, phase, s_zero, m0,
                      masks, qk_scale, cap_scale, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
-                     INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr):
+                     INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr,
+                     EARLY: gl.constexpr):
         """A step's S^T = K Q^T and dP^T = V dO^T, issued as their tiles arrive and waited for: (P^T as dV's register
-        operand, dS^T = P^T (dP^T - delta) in the input dtype)."""
+        operand, dS^T = P^T (dP^T - delta) in the input dtype). EARLY: the step's logsumexp and delta read as their
+        tiles arrive, ahead of the products (``STATS_EARLY``)."""
+        if EARLY:
+            mbarrier.wait(q_full.index(buf), phase=phase)
+            lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_full.index(buf), phase=phase)
+            delta = delta_smem.index(buf).reshape([BLOCK_M]).load(col_s)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+            p_a, p_ds = _bwd_probs(s_t, lse2, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS, CAUSAL, INTERVALS,
+                                   SOFTCAP, q_tile.dtype, col_s, a_layout)
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+            return p_a, (p_ds * (dp_t - gl.expand_dims(delta, 0))).to(q_tile.dtype)
         s_t, dp_t = _bwd_step_issue(q_tile, do_tile, k_tile, v_tile, q_full, do_full, buf, phase, s_zero)
         return _bwd_step_finish(s_t, dp_t, lse_smem, delta_smem, buf, m0, masks, qk_scale, cap_scale, BLOCK_M, KEYS,
                                 CAUSAL, INTERVALS, SOFTCAP, q_tile.dtype, col_s, a_layout)
@@ -1674,7 +1705,7 @@ if gluon is not None:
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr):
+                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1714,13 +1745,13 @@ if gluon is not None:
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG)),
+                             PIPELINED, DQ_FRAG, EARLY)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                              ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG)),
+                             PIPELINED, DQ_FRAG, EARLY)),
         ], [4, 4], [240, 240])
 
 
