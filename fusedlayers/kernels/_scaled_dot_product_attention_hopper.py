@@ -1052,7 +1052,12 @@ one_pass_enabled = True  # False: the two passes (A/B timing)
 # 2K-16K, D128 not causal (3 stages; 4: 0.99-1.01x) 1.01-1.03x, D128 causal 0.95-1.01x; on 16K tokens D64 soft-capped
 # 1.03-1.04x, windows 0.99-1.03x, packed documents 0.94x; D128 windows and packed documents 0.95-1.01x, soft-capped
 # 0.87-0.88x (the cap's tile spills 112-120 bytes). It runs where it gained: no key intervals, D64, or D128 neither
-# causal nor soft-capped.
+# causal nor soft-capped. It reads a step's logsumexp and delta from shared memory as soon as their tiles arrive,
+# before issuing the step's S^T and dP^T (``EARLY``): behind those products the loads queued behind the products'
+# shared-memory reads and the softmax waited for them (Nsight Compute, D128: 14% of the pass's warp-stall samples
+# short-scoreboard, mostly the FFMAs that subtract the logsumexp). Deterministic forward+backward 1.006-1.040x at D64
+# and 1.015-1.034x at D128 not causal (H200, L 2K-16K, best of 3 shuffled rounds; D128 spills 84 bytes against 36);
+# the one pass with dQ so 0.93-1.02x (48-84 more bytes spilled), which keeps the loads behind the products.
 WS_DKDV_STAGES = {64: 4, 128: 3}
 # Head dims whose single-step dK/dV pass (no dQ; at D64 the soft-capped calls) issues step i+1's S^T inside step i
 # once its dV has run, and its dP^T once dK has (``_bwd_steps_dkdv``): soft-capped D64 deterministic forward+backward
@@ -1062,10 +1067,6 @@ WS_DKDV_STAGES = {64: 4, 128: 3}
 WS_DKDV_PIPELINED = (64,)
 WS_DKDV_MIN_KEYS = 2048
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
-# Experiment: the one-pass kernel's consumers read a step's logsumexp and delta from shared memory as soon as their
-# tiles arrive, before issuing the step's S^T and dP^T, rather than behind those products (where the loads queue
-# behind the products' shared-memory reads and the softmax waits for them: Nsight Compute, short-scoreboard stalls).
-STATS_EARLY = False
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
@@ -1125,7 +1126,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=STATS_EARLY,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
         num_warps=4,
     )
     if with_dq:
@@ -1551,7 +1552,7 @@ if gluon is not None:
                      EARLY: gl.constexpr):
         """A step's S^T = K Q^T and dP^T = V dO^T, issued as their tiles arrive and waited for: (P^T as dV's register
         operand, dS^T = P^T (dP^T - delta) in the input dtype). EARLY: the step's logsumexp and delta read as their
-        tiles arrive, ahead of the products (``STATS_EARLY``)."""
+        tiles arrive, ahead of the products (the deterministic mode's dK/dV pass, see ``WS_DKDV_STAGES``)."""
         if EARLY:
             mbarrier.wait(q_full.index(buf), phase=phase)
             lse2 = lse_smem.index(buf).reshape([BLOCK_M]).load(col_s)
