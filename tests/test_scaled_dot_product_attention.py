@@ -1965,7 +1965,7 @@ def _check_kernel_parameters(launches, hopper) -> dict:
             else:
                 assert isinstance(arg, int | float) and not isinstance(arg, bool), (kernel.__name__, name, arg)
         for key in ("SOFTCAP", "INTERVALS", "SCHEDULE", "CONSUMERS", "FORM_DELTA", "STATS", "DQ", "CAUSAL", "HEAD_DIM",
-                    "DQ_FRAG", "FRAG"):
+                    "DQ_FRAG", "FRAG", "EARLY"):
             if key in meta:
                 meta_seen.setdefault((kernel.__name__, key), set()).add(meta[key])
     return meta_seen
@@ -2034,6 +2034,7 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_dq_hopper", "FORM_DELTA")] == meta_seen[("_attn_bwd_dq_hopper", "STATS")] == {
         True, False}
     assert meta_seen[("_attn_bwd_hopper", "DQ")] == {False}  # the warp-specialized dK/dV pass
+    assert meta_seen[("_attn_bwd_hopper", "EARLY")] == {True}  # reading each step's statistics before its products
     # each dQ pass runs first: delta (with the stats layout's base-2 logsumexp) formed before dK/dV reads it; dK/dV
     # warp-specialized without key intervals at D64, and D128 neither causal nor soft-capped, from its key floor
     gluon_bwd = [kernel.__name__ for kernel, _, _ in gluon_launches if "bwd" in kernel.__name__]
@@ -2058,6 +2059,7 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_hopper", "HEAD_DIM")] == {64, 128}
     assert meta_seen[("_attn_bwd_hopper", "SOFTCAP")] == meta_seen[("_attn_bwd_hopper", "INTERVALS")] == {True, False}
     assert meta_seen[("_attn_bwd_hopper", "DQ")] == {True}
+    assert meta_seen[("_attn_bwd_hopper", "EARLY")] == {False}  # with dQ the statistics are read behind the products
     # a warpgroup's dQ_part: soft-capped D64, over its own keys; step pairs (dense D64), every other step's; both
     # with every head dim; else half the head dims of every step
     one_pass_launches = [(args, meta) for kernel, args, meta in gluon_launches if kernel.__name__ == "_attn_bwd_hopper"]
