@@ -1672,7 +1672,7 @@ def gluon_kernel_calls(monkeypatch, ws_on_intervals: bool = False) -> list[str]:
 
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
     monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
-    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 0)
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0))
     min_keys = 0 if ws_on_intervals else float("inf")
     monkeypatch.setattr(hopper, "_WS_INTERVAL_CONFIGS",
                         {d: (*config[:3], min_keys) for d, config in hopper._WS_INTERVAL_CONFIGS.items()})
@@ -1699,10 +1699,10 @@ def gluon_forward_kernels(ws_on_intervals: bool) -> set[str]:
 def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool, intervals: bool, causal: bool) -> set[str]:
     """The Gluon backward launchers a call runs: one pass at head dims 64 and 128 (not soft-capped at 128) unless
     bitwise repeatable gradients are asked for, else dQ and dK/dV, the latter warp-specialized (the one-pass
-    launcher) without key intervals at D64, and at D128 neither causal nor soft-capped."""
+    launcher) without key intervals at D64, and at D128 not soft-capped."""
     if not deterministic and (D == 64 or (D == 128 and not softcap)):
         return {"attention_backward"}
-    ws_dkdv = not intervals and (D == 64 or (D == 128 and not softcap and not causal))
+    ws_dkdv = not intervals and (D == 64 or (D == 128 and not softcap))
     return {"attention_backward" if ws_dkdv else "attention_backward_dkdv", "attention_backward_dq"}
 
 
@@ -2036,11 +2036,11 @@ def test_hopper_launchers_pass_each_kernel_its_parameters(monkeypatch):
     assert meta_seen[("_attn_bwd_hopper", "DQ")] == {False}  # the warp-specialized dK/dV pass
     assert meta_seen[("_attn_bwd_hopper", "EARLY")] == {True}  # reading each step's statistics before its products
     # each dQ pass runs first: delta (with the stats layout's base-2 logsumexp) formed before dK/dV reads it; dK/dV
-    # warp-specialized without key intervals at D64, and D128 neither causal nor soft-capped, from its key floor
+    # warp-specialized without key intervals at D64, and D128 not soft-capped, from its key floor
     gluon_bwd = [kernel.__name__ for kernel, _, _ in gluon_launches if "bwd" in kernel.__name__]
     assert set(gluon_bwd[0::2]) == {"_attn_bwd_dq_hopper"}
-    ws_dkdv = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1) and case[1] >= hopper.WS_DKDV_MIN_KEYS
-               and (case[0] == 64 or (not case[2] and case[4] == 0.0))]
+    ws_dkdv = [case for case in HOPPER_HOST_CASES if case[3] == (-1, -1)
+               and case[1] >= hopper.WS_DKDV_MIN_KEYS[case[0], case[2]] and (case[0] == 64 or case[4] == 0.0)]
     assert gluon_bwd[1::2].count("_attn_bwd_hopper") == len(ws_dkdv) == 3
     assert gluon_bwd[1::2].count("_attn_bwd_dkdv_hopper") == len(HOPPER_HOST_CASES) + 1 - len(ws_dkdv)
     # the default mode: the backward in one pass at D128 (not soft-capped) and at D64 from its key floor (its stats
@@ -2111,7 +2111,7 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
         with fl.use_deterministic_attention(True):
             K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125, *grads, None)
         assert launches == want, (need, launches)
-    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 256)
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 256))
     launches.clear()
     with fl.use_deterministic_attention(True):
         K.attention_backward(out, q, k, v, out, lse, None, None, True, 0.125,
@@ -2144,7 +2144,7 @@ HOPPER_BACKWARD_CASES = HOPPER_CASES + [
                          ids=[case_id((*c[:6], c[5], c[6], None, ())) for c in HOPPER_BACKWARD_CASES])
 def test_cuda_hopper_backward(case, layout, dtype, dkdv, monkeypatch):
     """On an H100/H200 the plain 16-bit backward runs the Gluon dQ and dK/dV kernels in deterministic mode (D256 in
-    both modes), the dK/dV one-warpgroup or (D64, D128 not causal) warp-specialized after a dQ pass that writes its
+    both modes), the dK/dV one-warpgroup or (D64, D128) warp-specialized after a dQ pass that writes its
     statistics: parity of every gradient, and no Triton backward kernel launched."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
@@ -2153,9 +2153,9 @@ def test_cuda_hopper_backward(case, layout, dtype, dkdv, monkeypatch):
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)  # these shapes are below the size where the Gluon kernels take over
     B, H, H_kv, L, S, D, causal = case
     ws = dkdv == "warp-specialized"
-    if ws and not (D == 64 or (D == 128 and not causal)):
-        pytest.skip("the warp-specialized dK/dV pass is for D64 and D128 not causal")
-    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", 0 if ws else float("inf"))
+    if ws and D not in (64, 128):
+        pytest.skip("the warp-specialized dK/dV pass is for D64 and D128")
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0 if ws else float("inf")))
     q, k, v, _ = make_inputs(B, H, H_kv, L, S, D, D, dtype, device="cuda")
     if layout == "bthd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
@@ -2227,16 +2227,18 @@ def test_hopper_backward_routing(monkeypatch):
 
 def test_hopper_deterministic_dkdv_routing(monkeypatch):
     """Where the deterministic mode's dK/dV runs warp-specialized: calls without key intervals at D64 (causal or not,
-    soft-capped or not) and D128 neither causal nor soft-capped, from WS_DKDV_MIN_KEYS keys; D128 causal or
+    soft-capped or not) and D128 not soft-capped, from WS_DKDV_MIN_KEYS keys (2048; D128 causal 4096); D128
     soft-capped, D256, key intervals, fewer keys, or the switch off: the one-warpgroup pass."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
-    def ws(d, causal, keys=hopper.WS_DKDV_MIN_KEYS, intervals=False, softcap=False):
+    def ws(d, causal, keys=2048, intervals=False, softcap=False):
         return hopper.ws_dkdv_applies(torch.empty(1, 1, 4, d), torch.empty(1, 1, keys, d), causal, intervals, softcap)
 
     assert ws(64, True) and ws(64, False) and ws(128, False) and ws(128, False, keys=16384)
+    assert ws(128, True, keys=4096) and ws(128, True, keys=16384)
     assert ws(64, True, softcap=True) and ws(64, False, softcap=True)
     assert not (ws(128, True) or ws(256, False) or ws(64, True, keys=1024) or ws(128, False, softcap=True))
+    assert not (ws(128, True, keys=4096, softcap=True) or ws(128, False, keys=2047))
     assert not (ws(64, False, intervals=True) or ws(128, False, intervals=True))
     monkeypatch.setattr(hopper, "ws_dkdv_enabled", False)
     assert not ws(64, False)

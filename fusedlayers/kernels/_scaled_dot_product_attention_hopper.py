@@ -1051,21 +1051,24 @@ one_pass_enabled = True  # False: the two passes (A/B timing)
 # the one-warpgroup pass (H200, bf16, best of 3 shuffled rounds): dense D64 (step pairs, 4 stages) 1.03-1.05x at L
 # 2K-16K, D128 not causal (3 stages; 4: 0.99-1.01x) 1.01-1.03x, D128 causal 0.95-1.01x; on 16K tokens D64 soft-capped
 # 1.03-1.04x, windows 0.99-1.03x, packed documents 0.94x; D128 windows and packed documents 0.95-1.01x, soft-capped
-# 0.87-0.88x (the cap's tile spills 112-120 bytes). It runs where it gained: no key intervals, D64, or D128 neither
-# causal nor soft-capped. It reads a step's logsumexp and delta from shared memory as soon as their tiles arrive,
-# before issuing the step's S^T and dP^T (``EARLY``): behind those products the loads queued behind the products'
-# shared-memory reads and the softmax waited for them (Nsight Compute, D128: 14% of the pass's warp-stall samples
-# short-scoreboard, mostly the FFMAs that subtract the logsumexp). Deterministic forward+backward 1.006-1.040x at D64
-# and 1.015-1.034x at D128 not causal (H200, L 2K-16K, best of 3 shuffled rounds; D128 spills 84 bytes against 36);
-# the one pass with dQ so 0.93-1.02x (48-84 more bytes spilled), which keeps the loads behind the products.
-WS_DKDV_STAGES = {64: 4, 128: 3}
+# 0.87-0.88x (the cap's tile spills 112-120 bytes). It reads a step's logsumexp and delta from shared memory as soon
+# as their tiles arrive, before issuing the step's S^T and dP^T (``EARLY``): behind those products the loads queued
+# behind the products' shared-memory reads and the softmax waited for them (Nsight Compute, D128: 14% of the pass's
+# warp-stall samples short-scoreboard, mostly the FFMAs that subtract the logsumexp). Deterministic forward+backward
+# 1.006-1.040x at D64 and 1.015-1.034x at D128 not causal (H200, L 2K-16K, best of 3 shuffled rounds; D128 spills 84
+# bytes against 36); the one pass with dQ so 0.93-1.02x (48-84 more bytes spilled), which keeps the loads behind the
+# products. With them read early, D128 causal measured 1.020-1.032x the one-warpgroup pass from 4096 keys with a
+# 4-deep Q/dO ring (12 bytes spilled; 3-deep 1.014-1.021x, 44 bytes), 0.967x at 2048; D128 not causal 4-deep
+# 0.999-1.002x 3-deep. It runs where it gained: no key intervals, D64, or D128 not soft-capped, from
+# ``WS_DKDV_MIN_KEYS[(D, causal)]`` keys.
+WS_DKDV_STAGES = 4
 # Head dims whose single-step dK/dV pass (no dQ; at D64 the soft-capped calls) issues step i+1's S^T inside step i
 # once its dV has run, and its dP^T once dK has (``_bwd_steps_dkdv``): soft-capped D64 deterministic forward+backward
 # 1.02-1.09x waiting for both first (H200, L 2K-16K); D128 not causal 0.97-1.01x. The one pass with dQ so: D128
 # 0.82-0.97x (a step then holds both slots of its two-deep Q/dO ring; not profiled), D64 against the step pairs
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
-WS_DKDV_MIN_KEYS = 2048
+WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
 
@@ -1080,11 +1083,11 @@ def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
 
 def ws_dkdv_applies(q: torch.Tensor, k: torch.Tensor, is_causal: bool, intervals: bool, softcap: bool) -> bool:
     """Whether the deterministic mode's dK/dV runs warp-specialized (``attention_backward`` without dQ) rather than in
-    ``attention_backward_dkdv``: calls without key intervals at D 64, and at D 128 neither causal nor soft-capped,
-    from WS_DKDV_MIN_KEYS keys (``WS_DKDV_STAGES``)."""
+    ``attention_backward_dkdv``: calls without key intervals at D 64, and at D 128 not soft-capped, from
+    ``WS_DKDV_MIN_KEYS`` keys (``WS_DKDV_STAGES``)."""
     D = q.shape[-1]
-    return (ws_dkdv_enabled and not intervals and (D == 64 or (D == 128 and not is_causal and not softcap))
-            and k.shape[2] >= WS_DKDV_MIN_KEYS)
+    return (ws_dkdv_enabled and not intervals and not (softcap and D == 128)
+            and k.shape[2] >= WS_DKDV_MIN_KEYS.get((D, is_causal), float("inf")))
 
 
 def one_pass_stats(q: torch.Tensor) -> torch.Tensor:
@@ -1119,7 +1122,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES[D]
+    stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
     launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
