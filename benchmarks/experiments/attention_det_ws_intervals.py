@@ -31,8 +31,7 @@ def windowed(q, k, v, w):
 
 def packed(q, k, v, cu, longest):
     def run():
-        return fl.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                                   longest, longest, is_causal=True)
+        return fl.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True)
     return run
 
 
@@ -56,14 +55,16 @@ for D in (64, 128):
     q, k, v = (torch.randn(1, 2048 // D, 6001, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     cu, longest, _ = documents(6001, seed=1)
-    for label, fn in (("window 3000", windowed(q, k, v, 3000)), ("documents", packed(q, k, v, cu, longest))):
+    flat = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+    for label, fn, ts in (("window 3000", windowed(q, k, v, 3000), (q, k, v)),
+                          ("documents", packed(*flat, cu, longest), flat)):
         g = torch.randn_like(fn())
         got = {}
         with fl.use_deterministic_attention(True):
             for name in ("wg1", "ws"):
                 set_variant(name)
-                got[name] = grads(fn, g, (q, k, v))
-                same = all(torch.equal(x, y) for x, y in zip(got[name], grads(fn, g, (q, k, v)), strict=True))
+                got[name] = grads(fn, g, ts)
+                same = all(torch.equal(x, y) for x, y in zip(got[name], grads(fn, g, ts), strict=True))
                 err = max(((x.double() - y.double()).abs().max() / y.double().abs().max()).item()
                           for x, y in zip(got[name], got["wg1"], strict=True))
                 print(f"D{D} {label} {name}: repeatable {same}, largest difference from wg1 {err:.1e}", flush=True)
@@ -87,6 +88,7 @@ for D, case in itertools.product((64, 128), ("window 1024", "window 4096", "docu
                for _ in range(3))
     if case == "documents":
         cu, longest, pairs = documents(16384)
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
         fn = packed(q, k, v, cu, longest)
     else:
         w = int(case.split()[1])
