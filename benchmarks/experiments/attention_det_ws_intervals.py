@@ -3,11 +3,14 @@ packed documents), now that its warp-specialized form reads the statistics befor
 Q/dO ring: that form ("ws") against the one-warpgroup pass that intervals keep ("wg1"); deterministic
 forward+backward TFLOP/s (the flops of the keys each row attends), best of 3 shuffled rounds of
 triton.testing.do_bench, bf16, 16K tokens, H*D = 2048, causal windows of 1024 and 4096 keys and documents of 1-4K
-tokens. First, at odd shapes: both forms' gradients bitwise repeatable and their largest difference.
+tokens, or of 64-4096 tokens (log-uniform). First, at odd shapes: both forms' gradients bitwise repeatable and their
+largest difference.
 
-    python benchmarks/experiments/attention_det_ws_intervals.py
+    python benchmarks/experiments/attention_det_ws_intervals.py [--head-dims 64,128]
 """
+import argparse
 import itertools
+import math
 import random
 
 import torch
@@ -35,11 +38,13 @@ def packed(q, k, v, cu, longest):
     return run
 
 
-def documents(total, seed=0):
+def documents(total, seed=0, shortest=1024):
     gen = random.Random(seed)
     lengths = []
     while sum(lengths) < total:
-        lengths.append(min(gen.randint(1024, 4096), total - sum(lengths)))
+        n = round(math.exp(gen.uniform(math.log(shortest), math.log(4096)))) if shortest < 1024 else gen.randint(
+            1024, 4096)
+        lengths.append(min(n, total - sum(lengths)))
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     return cu, max(lengths), sum(n * (n + 1) // 2 for n in lengths)
 
@@ -51,7 +56,11 @@ def grads(fn, g, ts):
     return [t.grad.clone() for t in ts]
 
 
-for D in (64, 128):
+parser = argparse.ArgumentParser()
+parser.add_argument("--head-dims", default="64,128")
+HEAD_DIMS = [int(d) for d in parser.parse_args().head_dims.split(",")]
+
+for D in HEAD_DIMS:
     q, k, v = (torch.randn(1, 2048 // D, 6001, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     cu, longest, _ = documents(6001, seed=1)
@@ -82,12 +91,12 @@ def best(steps, args):
     return res
 
 
-for D, case in itertools.product((64, 128), ("window 1024", "window 4096", "documents")):
+for D, case in itertools.product(HEAD_DIMS, ("window 1024", "window 4096", "documents", "short documents")):
     H = 2048 // D
     q, k, v = (torch.randn(1, H, 16384, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    if case == "documents":
-        cu, longest, pairs = documents(16384)
+    if case.endswith("documents"):
+        cu, longest, pairs = documents(16384, shortest=64 if case == "short documents" else 1024)
         q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
         fn = packed(q, k, v, cu, longest)
     else:
