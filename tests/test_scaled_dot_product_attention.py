@@ -1611,7 +1611,7 @@ def test_cuda_hopper_window(case, dtype, ws, monkeypatch):
     dK/dV and dQ in deterministic mode)."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
-                              gluon_forward_kernels(ws), case[5], case[9] > 0, intervals=True, causal=case[6])
+                              gluon_forward_kernels(ws), case[5], case[9] > 0, intervals=True)
 
 
 GLUON_KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
@@ -1637,7 +1637,7 @@ def test_cuda_hopper_softcap(case, dtype, monkeypatch):
     pass, or dQ and dK/dV in deterministic mode); parity of the output and every gradient."""
     calls = gluon_kernel_calls(monkeypatch)
     check_gluon_in_both_modes(lambda: check_window_softcap(case, dtype, device="cuda"), calls,
-                              gluon_forward_kernels(False), case[5], case[9] > 0, intervals=False, causal=case[6])
+                              gluon_forward_kernels(False), case[5], case[9] > 0, intervals=False)
 
 
 # D256 (Gemma's head dim): the Gluon forwards (warp-specialized, or one-warpgroup on a window) and backward
@@ -1696,7 +1696,7 @@ def gluon_forward_kernels(ws_on_intervals: bool) -> set[str]:
     return {"attention_forward"} | ({"_forward_warp_specialized"} if ws_on_intervals else set())
 
 
-def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool, intervals: bool, causal: bool) -> set[str]:
+def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool, intervals: bool) -> set[str]:
     """The Gluon backward launchers a call runs: one pass at head dims 64 and 128 (not soft-capped at 128) unless
     bitwise repeatable gradients are asked for, else dQ and dK/dV, the latter warp-specialized (the one-pass
     launcher) without key intervals at D64, and at D128 not soft-capped."""
@@ -1707,15 +1707,14 @@ def gluon_backward_kernels(D: int, deterministic: bool, softcap: bool, intervals
 
 
 def check_gluon_in_both_modes(check, calls: list[str], forward: set[str], D: int, softcap: bool,
-                              intervals: bool, causal: bool) -> None:
+                              intervals: bool) -> None:
     """``check`` (a parity check) in the default mode, then in the deterministic one: each ran the forward launchers
     ``forward`` and the backward ones of its mode (``gluon_backward_kernels``)."""
     for deterministic in (False, True):
         calls.clear()
         with fl.use_deterministic_attention(deterministic):
             check()
-        assert set(calls) == forward | gluon_backward_kernels(D, deterministic, softcap, intervals,
-                                                                                   causal), deterministic
+        assert set(calls) == forward | gluon_backward_kernels(D, deterministic, softcap, intervals), deterministic
 
 
 DEVICE_BACKENDS = [("cpu", "reference"),

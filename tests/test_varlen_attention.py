@@ -240,7 +240,7 @@ def test_cuda_hopper_kernels(case, dtype, ws, monkeypatch):
     (one pass, or dK/dV and dQ in deterministic mode): each ran, and the parity rule holds in both modes."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check_gluon_in_both_modes(lambda: check(case, dtype, device="cuda"), calls, gluon_forward_kernels(ws), case[4],
-                              case[7] > 0, intervals=True, causal=case[5])
+                              case[7] > 0, intervals=True)
 
 
 # D256: the Gluon forward (either one on intervals) and backward (dK/dV on two warpgroups)
@@ -258,8 +258,7 @@ def test_cuda_hopper_d256(case, dtype, ws, monkeypatch):
     """At head dim 256 packed sequences run the Gluon forward, dK/dV and dQ kernels: the parity rule holds."""
     calls = gluon_kernel_calls(monkeypatch, ws_on_intervals=ws)
     check(case, dtype, device="cuda")
-    assert set(calls) == gluon_forward_kernels(ws) | gluon_backward_kernels(case[4], False, case[7] > 0, True,
-                                                                                        case[5])
+    assert set(calls) == gluon_forward_kernels(ws) | gluon_backward_kernels(case[4], False, case[7] > 0, True)
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"case{i}" for i in range(4)])

@@ -1047,20 +1047,18 @@ ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
-# gradients are as repeatable as the one-warpgroup pass's (no unordered sums). Deterministic forward+backward against
-# the one-warpgroup pass (H200, bf16, best of 3 shuffled rounds): dense D64 (step pairs, 4 stages) 1.03-1.05x at L
-# 2K-16K, D128 not causal (3 stages; 4: 0.99-1.01x) 1.01-1.03x, D128 causal 0.95-1.01x; on 16K tokens D64 soft-capped
-# 1.03-1.04x, windows 0.99-1.03x, packed documents 0.94x; D128 windows and packed documents 0.95-1.01x, soft-capped
-# 0.87-0.88x (the cap's tile spills 112-120 bytes). It reads a step's logsumexp and delta from shared memory as soon
-# as their tiles arrive, before issuing the step's S^T and dP^T (``EARLY``): behind those products the loads queued
-# behind the products' shared-memory reads and the softmax waited for them (Nsight Compute, D128: 14% of the pass's
-# warp-stall samples short-scoreboard, mostly the FFMAs that subtract the logsumexp). Deterministic forward+backward
-# 1.006-1.040x at D64 and 1.015-1.034x at D128 not causal (H200, L 2K-16K, best of 3 shuffled rounds; D128 spills 84
-# bytes against 36); the one pass with dQ so 0.93-1.02x (48-84 more bytes spilled), which keeps the loads behind the
-# products. With them read early, D128 causal measured 1.020-1.032x the one-warpgroup pass from 4096 keys with a
-# 4-deep Q/dO ring (12 bytes spilled; 3-deep 1.014-1.021x, 44 bytes), 0.967x at 2048; D128 not causal 4-deep
-# 0.999-1.002x 3-deep. It runs where it gained: no key intervals, D64, or D128 not soft-capped, from
-# ``WS_DKDV_MIN_KEYS[(D, causal)]`` keys.
+# gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
+# from shared memory as soon as their tiles arrive, before issuing the step's S^T and dP^T (``EARLY``): behind those
+# products the loads queued behind the products' shared-memory reads and the softmax waited for them (Nsight Compute,
+# D128: 14% of the pass's warp-stall samples short-scoreboard, mostly the FFMAs that subtract the logsumexp); reading
+# them early gave 1.006-1.040x at D64 and 1.015-1.034x at D128 not causal, while the one pass with dQ so measured
+# 0.93-1.02x (48-84 more bytes spilled) and keeps the loads behind the products. Deterministic forward+backward against
+# the one-warpgroup pass (H200, bf16, L 2K-16K, best of 3 shuffled rounds): dense D64 (step pairs) 1.03-1.05x, D128
+# not causal 1.01-1.03x, D128 causal 1.020-1.032x from 4096 keys (0.967x at 2048), D64 soft-capped 1.03-1.04x; key
+# intervals D64 0.991-1.047x, D128 0.93-0.965x, D128 soft-capped 0.87-0.88x (the cap's tile spills 112-120 bytes).
+# It runs where it gained: no key intervals, D64, or D128 not soft-capped, from ``WS_DKDV_MIN_KEYS[(D, causal)]``
+# keys. Its Q/dO ring is 4 deep (D128 causal 1.014-1.021x at 3 deep, 44 bytes spilled against 12; D128 not causal 3
+# deep level, 0.999-1.002x; D64 6 or 8 deep 0.99-1.02x).
 WS_DKDV_STAGES = 4
 # Head dims whose single-step dK/dV pass (no dQ; at D64 the soft-capped calls) issues step i+1's S^T inside step i
 # once its dV has run, and its dP^T once dK has (``_bwd_steps_dkdv``): soft-capped D64 deterministic forward+backward
