@@ -1066,10 +1066,6 @@ WS_DKDV_STAGES = 4
 # 0.82-0.97x (a step then holds both slots of its two-deep Q/dO ring; not profiled), D64 against the step pairs
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
-# Dense calls: one program an SM looping over tiles (a key block of a batch and key head, key blocks of a head in
-# turn, the hardware's order), each tile's K, V and first steps loaded while the last tile's dK and dV are stored;
-# "static": every num_programs-th tile, "dynamic": the next tile from a global counter. None: a program a tile.
-ONE_PASS_PERSISTENT = None
 WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1125,20 +1121,14 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
-    pipelined = not with_dq and not pairs and D in WS_DKDV_PIPELINED
-    n_tiles = cdiv(S, block_n) * B * H_kv
-    persistent = (ONE_PASS_PERSISTENT if intervals is None and cap_scale <= 0.0 and not pipelined else None)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent == "dynamic" else stats
-    grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
-    launch(_attn_bwd_hopper, grid,
+    launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, counter, n_tiles, qk_scale, scale, cap_scale, HEAD_DIM=D,
-        BLOCK_M=block_m,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
-        PIPELINED=pipelined, DQ_FRAG=frag, EARLY=not with_dq,
-        PERSISTENT={None: 0, "static": 1, "dynamic": 2}[persistent], num_warps=4,
+        PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
+        num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
@@ -1201,18 +1191,13 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
         """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
         block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
         holding its first key on; INTERVALS: the blocks its keys' query intervals reach)."""
-        if PERSISTENT:
-            n_blocks = gl.cdiv(S, BLOCK_N)
-            n0 = (tile % n_blocks) * BLOCK_N
-            bhk = tile // n_blocks
-        else:
-            n0 = gl.program_id(0) * BLOCK_N
-            bhk = gl.program_id(1)
+        n0 = gl.program_id(0) * BLOCK_N
+        bhk = gl.program_id(1)
         H_KV = H // GROUP
         if INTERVALS:
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -1227,122 +1212,39 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                      delta_smem, kv_bar, kv_empty, tile_smem, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
-                      GROUP, L, S, BH, Counter, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-        """Each tile's K and V (PERSISTENT: once both consumers are done with the last tile's, its index published
-        with them in ``tile_smem``; n_tiles there ends the consumers' loop), then each step's Q with its logsumexp and
-        dO with its delta into STAGES-deep rings, a slot refilled once both consumers released it."""
-        if PERSISTENT:
-            tile = gl.program_id(0)
-            j = 0
-            steps = 0
-            while tile < n_tiles:
-                mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
-                _publish_tile(tile_smem, tile)
-                if PERSISTENT == 2:
-                    nxt = gl.atomic_add(Counter, 1, sem="relaxed") + gl.num_programs(0)
-                else:
-                    nxt = tile + gl.num_programs(0)
-                steps += _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem,
-                                           v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty,
-                                           ColLo, ColHi, H, GROUP, L, S, BH, tile, steps, BLOCK_M, BLOCK_N, CAUSAL,
-                                           INTERVALS, STAGES, PERSISTENT)
-                tile = nxt
-                j += 1
-            mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
-            _publish_tile(tile_smem, n_tiles)
-            mbarrier.arrive(kv_bar)
-        else:
-            _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                              BH, 0, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
-
-    @gluon.jit
-    def _publish_tile(tile_smem, tile):
-        """The next tile's index into shared memory, stored by the producer's warps before one of them arrives."""
-        tile_smem.store(gl.full([1], tile, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0])))
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _read_tile(tile_smem, kv_bar, j):
-        """Waits for the program's j-th tile's K and V (or the end) and reads its index."""
-        mbarrier.wait(kv_bar, phase=j & 1)
-        return gl.max(tile_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-
-    @gluon.jit
-    def _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                          delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
-                          tile, steps, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                          INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-        """A tile's loads, its steps following ``steps`` others in the rings; returns its step count."""
-        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS, PERSISTENT)
+                      delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
+        refilled once both consumers released it."""
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
         for i in range(total):
-            g = steps + i
-            buf = g % STAGES
-            empty_phase = ((g // STAGES) & 1) ^ 1
+            buf = i % STAGES
+            empty_phase = ((i // STAGES) & 1) ^ 1
             h = hk * GROUP + i // n_m
             m0 = m_start + (i % n_m) * BLOCK_M
-            mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=g >= STAGES)
+            mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
             mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
             tma.async_copy_global_to_shared(stats_desc, [b * H + h, m0], q_full.index(buf), lse_smem.index(buf))
-            mbarrier.wait(do_empty.index(buf), phase=empty_phase, pred=g >= STAGES)
+            mbarrier.wait(do_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
             mbarrier.expect(do_full.index(buf), do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], do_full.index(buf), do_smem.index(buf))
             tma.async_copy_global_to_shared(stats_desc, [BH + b * H + h, m0], do_full.index(buf),
                                             delta_smem.index(buf))
-        return total
 
     @gluon.jit
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
-                      kv_bar, kv_empty, tile_smem, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
-                      ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                      stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale, cap_scale,
-                      WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                      STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                      DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
-        """The program's tile, or (PERSISTENT) the tiles the producer publishes, ring positions and barrier phases
-        counted across them."""
-        if PERSISTENT:
-            j = 0
-            steps = 0
-            pairs = 0
-            tile = _read_tile(tile_smem, kv_bar, 0)
-            while tile < n_tiles:
-                total = _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                          dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
-                                          ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
-                                          stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H,
-                                          GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, steps, pairs, WG,
-                                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
-                                          DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
-                steps += total
-                pairs += gl.cdiv(total, 2)
-                j += 1
-                tile = _read_tile(tile_smem, kv_bar, j)
-        else:
-            _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
-                              kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
-                              ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0, 0, 0, WG,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                              PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
-
-    @gluon.jit
-    def _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
-                          kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
-                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                          stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, steps, pairs,
-                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                          STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
+                      kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
+                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1359,8 +1261,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS, PERSISTENT)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1381,11 +1283,10 @@ if gluon is not None:
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
-        if not PERSISTENT:  # else waited for with the tile's index
-            mbarrier.wait(kv_bar, phase=0)
+        mbarrier.wait(kv_bar, phase=0)
         if STEP_PAIRS and not DQ:
             dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
-                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, steps, qk_scale,
+                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
                                           BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout, EARLY)
         elif PIPELINED:
             dk, dv = _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
@@ -1394,35 +1295,30 @@ if gluon is not None:
         elif STEP_PAIRS:
             dk, dv = _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                      q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero,
-                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, steps, pairs, L_PAD,
-                                     qk_scale, WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG)
+                                     dq_zero, masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, WG,
+                                     BLOCK_M, KEYS, DQ_COLS, CAUSAL, STAGES, col_s, a_layout, DQ_FRAG)
         else:
             dk, dv = _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full,
                                 q_empty, do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero,
-                                masks, b * H + hk * GROUP, n_m, m_start, total, steps, L_PAD, qk_scale, cap_scale,
-                                WG, BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
+                                masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
+                                BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
                                 OWN_DQ, DQ_FRAG, EARLY)
-        if PERSISTENT:  # every product reading K and V was waited for: the next tile's may come
-            mbarrier.arrive(kv_empty)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-        return total
 
     @gluon.jit
     def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty, do_full,
                    do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m, m_start, total,
-                   steps, L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                   L_PAD, qk_scale, cap_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
                    DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                    STAGES: gl.constexpr, col_s: gl.constexpr, a_layout: gl.constexpr, DQ: gl.constexpr,
                    OWN_DQ: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
-        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step (the tile's
-        steps follow ``steps`` others in the rings and dS^T buffers)."""
+        """A step an iteration: S^T and dP^T, then dV, dQ_part and dK, all waited for within the step."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         for i in range(total):
-            g = steps + i
-            buf = g % STAGES
-            phase = (g // STAGES) & 1
+            buf = i % STAGES
+            phase = (i // STAGES) & 1
             m0 = m_start + (i % n_m) * BLOCK_M
             q_tile = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
             do_tile = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
@@ -1431,14 +1327,14 @@ if gluon is not None:
                                      SOFTCAP, col_s, a_layout, EARLY)
             if not DQ:
                 dk, dv, _, _ = _bwd_dkdv_products(p_a, ds_t, q_smem, do_smem, q_full, q_empty, do_full, do_empty,
-                                                  k_tile, v_tile, dk, dv, s_zero, g, BLOCK_M, STAGES, a_layout, False)
+                                                  k_tile, v_tile, dk, dv, s_zero, i, BLOCK_M, STAGES, a_layout, False)
             else:
                 # dS^T to shared memory for dQ_part = dS K, which needs both warpgroups' keys (OWN_DQ: its own); two
                 # buffers, so that a warpgroup a step ahead never overwrites what the other's dQ_part still reads
-                ds_smem.index(g % 2).slice(WG * KEYS, KEYS).store(ds_t)
+                ds_smem.index(i % 2).slice(WG * KEYS, KEYS).store(ds_t)
                 dv = warpgroup_mma(p_a, do_tile, dv, is_async=True)
-                _bwd_ds_publish(ds_ready, g % 2, OWN_DQ)
-                ds = _bwd_ds_operand(ds_smem, g % 2, g % 2, ds_ready, g // 2, WG, KEYS, OWN_DQ)
+                _bwd_ds_publish(ds_ready, i % 2, OWN_DQ)
+                ds = _bwd_ds_operand(ds_smem, i % 2, i % 2, ds_ready, i // 2, WG, KEYS, OWN_DQ)
                 dq = warpgroup_mma(ds, dq_b, dq_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
                 mbarrier.arrive(do_empty.index(buf))
@@ -1455,9 +1351,9 @@ if gluon is not None:
     @gluon.jit
     def _bwd_step_pairs(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty,
                         do_full, do_empty, ds_ready, k_tile, v_tile, dq_b, dk, dv, s_zero, dq_zero, masks, bh0, n_m,
-                        m_start, total, steps, pairs, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                        KEYS: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        col_s: gl.constexpr, a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
+                        m_start, total, L_PAD, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                        DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
+                        a_layout: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Two steps (a, b) an iteration, for dense calls without the soft-cap (``ONE_PASS_STEP_PAIRS``): b's S^T and
         dP^T are issued behind a's dV, so that P_b forms while dP_b, dK_a and (warpgroup 0) dQ_a run. Warpgroup 0
         forms step a's whole dQ_part (every head dim over both warpgroups' keys), warpgroup 1 step b's: each waits
@@ -1469,24 +1365,23 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         DQ_A: gl.constexpr = WG == 0  # whether this warpgroup forms step a's dQ_part, else b's
         for j in range(gl.cdiv(total, 2)):
-            ia, ib, valid_b, buf_a, buf_b, ph_a, ph_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(
-                q_smem, do_smem, j, total, n_m, m_start, steps, BLOCK_M, STAGES)
-            jj = pairs + j  # the iteration's count in the program: the dS^T buffers and their barriers' phases
-            ds0 = 2 * (jj % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
+            ds0 = 2 * (j % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                     ph_a, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout, False)
             ds_smem.index(ds0).slice(WG * KEYS, KEYS).store(ds_a)
             _bwd_ds_publish(ds_ready, 0, False)
             # a's dV, b's S and dP, a's dQ_part (warpgroup 0) and dK: P_b forms under dP_b, dQ_a and dK_a
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
-            mbarrier.wait(q_full.index(buf_b), phase=ph_b, pred=valid_b)
+            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_b), phase=ph_b, pred=valid_b)
+            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if DQ_A:
-                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, jj, WG, KEYS, False), dq_b, dq_zero,
+                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0, 0, ds_ready, j, WG, KEYS, False), dq_b, dq_zero,
                                    use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_a, a_layout), q_a, dk, is_async=True)
             lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
@@ -1508,7 +1403,7 @@ if gluon is not None:
             # b's dV, dQ_part (warpgroup 1) and dK
             dv = warpgroup_mma(p_a, do_b, dv, is_async=True)
             if not DQ_A:
-                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0 + 1, 1, ds_ready, jj, WG, KEYS, False), dq_b,
+                dq = warpgroup_mma(_bwd_ds_operand(ds_smem, ds0 + 1, 1, ds_ready, j, WG, KEYS, False), dq_b,
                                    dq_zero, use_acc=False, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds_b, a_layout), q_b, dk, is_async=True)
                 dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
@@ -1527,24 +1422,22 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """Iteration j's steps a and b: their indices in the tile, whether b exists (else it runs on a's buffers),
-        ring slots and phases (the tile's steps follow ``steps`` others), first query rows, and Q and dO tiles."""
+    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Iteration j's steps a and b: their indices, whether b exists (else it runs on a's buffers), ring slots,
+        first query rows, and Q and dO tiles."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         ia = 2 * j
         ib = ia + 1
         valid_b = ib < total
-        buf_a = (steps + ia) % STAGES
-        buf_b = gl.where(valid_b, (steps + ib) % STAGES, buf_a)
-        ph_a = ((steps + ia) // STAGES) & 1
-        ph_b = ((steps + ib) // STAGES) & 1
+        buf_a = ia % STAGES
+        buf_b = gl.where(valid_b, ib % STAGES, buf_a)
         m0_a = m_start + (ia % n_m) * BLOCK_M
         m0_b = m_start + (ib % n_m) * BLOCK_M
         q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
         do_a = do_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
         q_b = q_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
         do_b = do_smem.index(buf_b).reshape([BLOCK_M, HEAD_DIM])
-        return ia, ib, valid_b, buf_a, buf_b, ph_a, ph_b, m0_a, m0_b, q_a, do_a, q_b, do_b
+        return ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b
 
     @gluon.jit
     def _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile, v_tile, dk,
@@ -1607,25 +1500,24 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
-                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, steps, qk_scale,
-                             BLOCK_M: gl.constexpr,
+                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
                              KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
                              a_layout: gl.constexpr, EARLY: gl.constexpr):
         """``_bwd_step_pairs`` without dQ: a's dV and dK products run under b's S^T and dP^T, and every product is
         waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
         for j in range(gl.cdiv(total, 2)):
-            ia, ib, valid_b, buf_a, buf_b, ph_a, ph_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(
-                q_smem, do_smem, j, total, n_m, m_start, steps, BLOCK_M, STAGES)
+            ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
+                                                                                        m_start, BLOCK_M, STAGES)
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                     ph_a, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
+                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
                                      False, False, col_s, a_layout, EARLY)
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
-            mbarrier.wait(q_full.index(buf_b), phase=ph_b, pred=valid_b)
+            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             if EARLY:
                 lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_b), phase=ph_b, pred=valid_b)
+            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
             if EARLY:
                 delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -1805,12 +1697,11 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, Counter, n_tiles, qk_scale, scale, cap_scale,
+                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
-                         PERSISTENT: gl.constexpr):
+                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
         consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1827,15 +1718,12 @@ if gluon is not None:
             ds_smem = q_smem
             dq_smem = q_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        tile_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        mbarrier.init(kv_empty, count=2)  # both consumers are done with a tile's K and V
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(do_full.index(i), count=1)
@@ -1846,21 +1734,20 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                             delta_smem, kv_bar, kv_empty, tile_smem, q_full, q_empty, do_full, do_empty, ColLo,
-                             ColHi, H, GROUP, L, S, BH, Counter, n_tiles, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES,
-                             PERSISTENT)),
+                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
+                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             DQ32, kv_bar, kv_empty, tile_smem, q_full, q_empty, do_full, do_empty, ds_ready, DK,
-                             DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                             stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles,
-                             qk_scale, scale, cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP,
-                             STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
+                             DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
+                             PIPELINED, DQ_FRAG, EARLY)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             DQ32, kv_bar, kv_empty, tile_smem, q_full, q_empty, do_full, do_empty, ds_ready, DK,
-                             DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                             stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles,
-                             qk_scale, scale, cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP,
-                             STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
+                             DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
+                             PIPELINED, DQ_FRAG, EARLY)),
         ], [4, 4], [240, 240])
 
 
