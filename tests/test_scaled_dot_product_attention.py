@@ -2124,6 +2124,40 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
     assert launches == [("_bwd_preprocess_kernel", None), ("_attn_bwd_hopper", None), ("_one_pass_dq", None)]
 
 
+
+def test_hopper_deterministic_dkdv_is_persistent_for_dense_d64_not_causal(monkeypatch):
+    """The deterministic mode's warp-specialized dK/dV pass (recorded on CPU, as above) launches one program an SM, at
+    most one a tile (a key block of a batch and key head), for dense D64 calls not causal (WS_DKDV_PERSISTENT); causal
+    and D128 calls, and the default mode's one pass, a program a tile."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    record = lambda kernel, grid, *args, **meta: launches.append((kernel.__name__, grid, meta.get("PERSISTENT")))  # noqa: E731
+    monkeypatch.setattr(hopper, "launch", record)
+    monkeypatch.setattr(K, "launch", record)
+    monkeypatch.setattr(hopper, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0))
+    monkeypatch.setattr(hopper, "ONE_PASS_D64_MIN_KEYS", 0)
+    cases = {  # (D, causal, B, H, L, deterministic): the one-pass kernel's grid and whether it is persistent
+        (64, False, 3, 4, 2050, True): ((132,), True),  # 17 key blocks x 12 = 204 tiles
+        (64, False, 1, 2, 300, True): ((6,), True),  # fewer tiles than SMs
+        (64, True, 3, 4, 2050, True): ((17, 12), False),
+        (128, False, 3, 4, 2050, True): ((17, 12), False),
+        (64, False, 3, 4, 2050, False): ((17, 12), False),
+    }
+    for (D, causal, B, H, L, deterministic), want in cases.items():
+        q, k, v, out = (torch.zeros(B, H, L, D, dtype=torch.bfloat16) for _ in range(4))
+        launches.clear()
+        with fl.use_deterministic_attention(deterministic):
+            K.attention_backward(out, q, k, v, out, torch.zeros(B, H, L), None, None, causal, 0.125,
+                                 *(torch.empty_like(t) for t in (q, k, v)), None)
+        assert [launch[1:] for launch in launches if launch[0] == "_attn_bwd_hopper"] == [want], (D, causal, B, H, L)
+
+
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
     (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
@@ -2168,6 +2202,39 @@ def test_cuda_hopper_backward(case, layout, dtype, dkdv, monkeypatch):
         check_parity(q, k, v, None, causal)
     assert sorted(calls) == (["", "_dq"] if ws else ["_dkdv", "_dq"])
     assert "_attn_bwd_dkdv_kernel" not in names and "_attn_bwd_dq_kernel" not in names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [(3, 4, 4, 2050), (8, 8, 2, 1100)], ids=["B3H4L2050", "B8H8kv2L1100"])
+def test_cuda_hopper_persistent_dkdv_equals_a_program_a_tile(case, monkeypatch):
+    """On an H100/H200 the deterministic D64 dK/dV pass not causal, one program an SM over more tiles than SMs (the
+    last key block ragged; GQA 4:1), gives gradients bitwise equal to those of a program a tile, within the parity
+    rule."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0))
+    B, H, H_kv, L = case
+    assert -(-L // hopper.ONE_PASS_BLOCK_N) * B * H_kv > torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v, _ = make_inputs(B, H, H_kv, L, L, 64, 64, torch.bfloat16, device="cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grad = torch.randn_like(q)
+
+    def grads():
+        for t in (q, k, v):
+            t.grad = None
+        fl.scaled_dot_product_attention(q, k, v, enable_gqa=H != H_kv).backward(grad)
+        return [t.grad.clone() for t in (q, k, v)]
+
+    with fl.use_deterministic_attention(True):
+        persistent = grads()
+        check_parity(q.detach(), k.detach(), v.detach(), None, False)
+        monkeypatch.setattr(hopper, "WS_DKDV_PERSISTENT", ())
+        a_program_a_tile = grads()
+    for name, x, y in zip(("dq", "dk", "dv"), persistent, a_program_a_tile, strict=True):
+        assert torch.equal(x, y), name
 
 
 @pytest.mark.cuda

@@ -1066,6 +1066,12 @@ WS_DKDV_STAGES = 4
 # 0.82-0.97x (a step then holds both slots of its two-deep Q/dO ring; not profiled), D64 against the step pairs
 # 0.90-0.92x.
 WS_DKDV_PIPELINED = (64,)
+# (head dim, causal) of the dense calls whose deterministic dK/dV pass runs one program an SM, each taking every
+# num_programs-th tile (a key block of a batch and key head, in the hardware's order), the next tile's K, V and first
+# steps loaded while the last tile's dK and dV are stored: D64 not causal 1.030-1.043x deterministic forward+backward
+# (H200, L 2K-16K, best of 3 shuffled rounds; 1.002-1.023x in an earlier run), D64 causal 0.972-0.976x, D128
+# 0.82-1.01x. The one pass with dQ so measured 0.79-0.99x (a tile counter dealing the tiles instead: 0.86-0.99x).
+WS_DKDV_PERSISTENT = ((64, False),)
 WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
@@ -1121,14 +1127,18 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
-    launch(_attn_bwd_hopper, (cdiv(S, block_n), B * H_kv),
+    n_tiles = cdiv(S, block_n) * B * H_kv
+    persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
+    grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
+    launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, qk_scale, scale, cap_scale, HEAD_DIM=D, BLOCK_M=block_m,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles, qk_scale, scale, cap_scale, HEAD_DIM=D,
+        BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
-        num_warps=4,
+        PERSISTENT=persistent, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
@@ -1191,13 +1201,19 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
-        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps): a key
-        block meets the query blocks of each of the GROUP query heads sharing its key head (causal: from the block
-        holding its first key on; INTERVALS: the blocks its keys' query intervals reach)."""
-        n0 = gl.program_id(0) * BLOCK_N
-        bhk = gl.program_id(1)
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps) of the
+        program's tile (PERSISTENT: of ``tile``, the key blocks of each batch and key head in turn): a key block meets
+        the query blocks of each of the GROUP query heads sharing its key head (causal: from the block holding its
+        first key on; INTERVALS: the blocks its keys' query intervals reach)."""
+        if PERSISTENT:
+            n_blocks = gl.cdiv(S, BLOCK_N)
+            n0 = (tile % n_blocks) * BLOCK_N
+            bhk = tile // n_blocks
+        else:
+            n0 = gl.program_id(0) * BLOCK_N
+            bhk = gl.program_id(1)
         H_KV = H // GROUP
         if INTERVALS:
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -1212,39 +1228,97 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                      delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      STAGES: gl.constexpr):
-        """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings, a slot
-        refilled once both consumers released it."""
-        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS)
+                      delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
+                      BH, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The tile's loads, or (PERSISTENT) every num_programs-th tile's, each tile's K and V once both consumers are
+        done with the last tile's, ring positions and phases counted across the tiles."""
+        if PERSISTENT:
+            steps = 0
+            j = 0
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
+                steps += _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem,
+                                           v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty,
+                                           ColLo, ColHi, H, GROUP, L, S, BH, tile, steps, BLOCK_M, BLOCK_N, CAUSAL,
+                                           INTERVALS, STAGES, PERSISTENT)
+                j += 1
+        else:
+            _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                              delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
+                              BH, 0, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
+
+    @gluon.jit
+    def _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                          delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
+                          tile, steps, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                          INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings (the
+        tile's steps after ``steps`` others), a slot refilled once both consumers released it; returns the steps."""
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS, PERSISTENT)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
         for i in range(total):
-            buf = i % STAGES
-            empty_phase = ((i // STAGES) & 1) ^ 1
+            g = steps + i
+            buf = g % STAGES
+            empty_phase = ((g // STAGES) & 1) ^ 1
             h = hk * GROUP + i // n_m
             m0 = m_start + (i % n_m) * BLOCK_M
-            mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
+            mbarrier.wait(q_empty.index(buf), phase=empty_phase, pred=g >= STAGES)
             mbarrier.expect(q_full.index(buf), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_full.index(buf), q_smem.index(buf))
             tma.async_copy_global_to_shared(stats_desc, [b * H + h, m0], q_full.index(buf), lse_smem.index(buf))
-            mbarrier.wait(do_empty.index(buf), phase=empty_phase, pred=i >= STAGES)
+            mbarrier.wait(do_empty.index(buf), phase=empty_phase, pred=g >= STAGES)
             mbarrier.expect(do_full.index(buf), do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], do_full.index(buf), do_smem.index(buf))
             tma.async_copy_global_to_shared(stats_desc, [BH + b * H + h, m0], do_full.index(buf),
                                             delta_smem.index(buf))
+        return total
 
     @gluon.jit
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
-                      kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi,
-                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                      H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                      SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr,
-                      OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
+                      kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                      ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                      stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale, cap_scale, WG: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
+                      DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
+                      EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The program's tile, or (PERSISTENT: step pairs without dQ) every num_programs-th tile, each tile's K and V
+        released to the producer once its last product has run, ring positions and phases counted across the
+        tiles."""
+        if PERSISTENT:
+            gl.static_assert(STEP_PAIRS and not DQ, "persistent programs: the step pairs without dQ")
+            steps = 0
+            j = 0
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                steps += _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                                           dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
+                                           ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
+                                           stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H,
+                                           GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, WG,
+                                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
+                                           DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
+                j += 1
+        else:
+            _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
+                              kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
+                              ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0, 0, 0, WG,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
+                              PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
+
+    @gluon.jit
+    def _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
+                          kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
+                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                          stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps,
+                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+                          STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
+                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1261,8 +1335,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      INTERVALS)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS, PERSISTENT)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1283,10 +1357,10 @@ if gluon is not None:
         s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         masks = (offs_n, keys0, RowLo, RowHi, L, S, seen_lo, seen_hi, keys0 + KEYS > S)
-        mbarrier.wait(kv_bar, phase=0)
+        mbarrier.wait(kv_bar, phase=j & 1)  # the program's j-th tile's K and V
         if STEP_PAIRS and not DQ:
             dk, dv = _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
-                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale,
+                                          k_tile, v_tile, dk, dv, s_zero, masks, n_m, m_start, total, steps, qk_scale,
                                           BLOCK_M, KEYS, CAUSAL, STAGES, col_s, a_layout, EARLY)
         elif PIPELINED:
             dk, dv = _bwd_steps_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty,
@@ -1303,9 +1377,12 @@ if gluon is not None:
                                 masks, b * H + hk * GROUP, n_m, m_start, total, L_PAD, qk_scale, cap_scale, WG,
                                 BLOCK_M, KEYS, DQ_COLS, CAUSAL, INTERVALS, SOFTCAP, STAGES, col_s, a_layout, DQ,
                                 OWN_DQ, DQ_FRAG, EARLY)
+        if PERSISTENT:  # every product reading K and V was waited for: the next tile's may come
+            mbarrier.arrive(kv_empty)
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
+        return total
 
     @gluon.jit
     def _bwd_steps(q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32, q_full, q_empty, do_full,
@@ -1366,7 +1443,7 @@ if gluon is not None:
         DQ_A: gl.constexpr = WG == 0  # whether this warpgroup forms step a's dQ_part, else b's
         for j in range(gl.cdiv(total, 2)):
             ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
-                                                                                        m_start, BLOCK_M, STAGES)
+                                                                                        m_start, 0, BLOCK_M, STAGES)
             ds0 = 2 * (j % 2)  # this iteration's dS^T buffers: ds0 for a, ds0 + 1 for b
             # step a: S, dP, P, dS
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
@@ -1422,15 +1499,15 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """Iteration j's steps a and b: their indices, whether b exists (else it runs on a's buffers), ring slots,
-        first query rows, and Q and dO tiles."""
+    def _step_pair(q_smem, do_smem, j, total, n_m, m_start, steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Iteration j's steps a and b: their indices in the tile, whether b exists (else it runs on a's buffers),
+        ring slots (the tile's steps after ``steps`` others), first query rows, and Q and dO tiles."""
         HEAD_DIM: gl.constexpr = q_smem.shape[-1]
         ia = 2 * j
         ib = ia + 1
         valid_b = ib < total
-        buf_a = ia % STAGES
-        buf_b = gl.where(valid_b, ib % STAGES, buf_a)
+        buf_a = (steps + ia) % STAGES
+        buf_b = gl.where(valid_b, (steps + ib) % STAGES, buf_a)
         m0_a = m_start + (ia % n_m) * BLOCK_M
         m0_b = m_start + (ib % n_m) * BLOCK_M
         q_a = q_smem.index(buf_a).reshape([BLOCK_M, HEAD_DIM])
@@ -1500,24 +1577,24 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_step_pairs_dkdv(q_smem, do_smem, lse_smem, delta_smem, q_full, q_empty, do_full, do_empty, k_tile,
-                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, qk_scale, BLOCK_M: gl.constexpr,
-                             KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr,
-                             a_layout: gl.constexpr, EARLY: gl.constexpr):
-        """``_bwd_step_pairs`` without dQ: a's dV and dK products run under b's S^T and dP^T, and every product is
-        waited for before the loop's back-edge."""
+                             v_tile, dk, dv, s_zero, masks, n_m, m_start, total, steps, qk_scale,
+                             BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                             col_s: gl.constexpr, a_layout: gl.constexpr, EARLY: gl.constexpr):
+        """``_bwd_step_pairs`` without dQ (the tile's steps after ``steps`` others in the rings): a's dV and dK
+        products run under b's S^T and dP^T, and every product is waited for before the loop's back-edge."""
         dtype: gl.constexpr = q_smem.dtype
         for j in range(gl.cdiv(total, 2)):
             ia, ib, valid_b, buf_a, buf_b, m0_a, m0_b, q_a, do_a, q_b, do_b = _step_pair(q_smem, do_smem, j, total, n_m,
-                                                                                        m_start, BLOCK_M, STAGES)
+                                                                                        m_start, steps, BLOCK_M, STAGES)
             p_a, ds_a = _bwd_step_ds(q_a, do_a, k_tile, v_tile, lse_smem, delta_smem, q_full, do_full, buf_a,
-                                     (ia // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS, CAUSAL,
-                                     False, False, col_s, a_layout, EARLY)
+                                     ((steps + ia) // STAGES) & 1, s_zero, m0_a, masks, qk_scale, 0.0, BLOCK_M, KEYS,
+                                     CAUSAL, False, False, col_s, a_layout, EARLY)
             dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
-            mbarrier.wait(q_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            mbarrier.wait(q_full.index(buf_b), phase=((steps + ib) // STAGES) & 1, pred=valid_b)
             if EARLY:
                 lse2 = gl.where(valid_b, lse_smem.index(buf_b).reshape([BLOCK_M]).load(col_s), float("inf"))
             s_t = warpgroup_mma(k_tile, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_full.index(buf_b), phase=(ib // STAGES) & 1, pred=valid_b)
+            mbarrier.wait(do_full.index(buf_b), phase=((steps + ib) // STAGES) & 1, pred=valid_b)
             if EARLY:
                 delta = delta_smem.index(buf_b).reshape([BLOCK_M]).load(col_s)
             dp_t = warpgroup_mma(v_tile, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -1697,13 +1774,14 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, qk_scale, scale, cap_scale,
+                         H, GROUP, L, S, BH, L_PAD, n_tiles, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
-                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr):
-        """One key block's dK, dV and (DQ) its parts of dQ: a producer warpgroup (this program's 4 warps) and two
-        consumer warpgroups with its registers."""
+                         PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
+                         PERSISTENT: gl.constexpr):
+        """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile):
+        a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -1718,12 +1796,15 @@ if gluon is not None:
             ds_smem = q_smem
             dq_smem = q_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()) if PERSISTENT else kv_bar
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        if PERSISTENT:
+            mbarrier.init(kv_empty, count=2)  # both consumers are done with a tile's K and V
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(do_full.index(i), count=1)
@@ -1734,20 +1815,20 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                             delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                             BH, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES)),
+                             delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
+                             GROUP, L, S, BH, n_tiles, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
-                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG, EARLY)),
+                             DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
+                             RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
-                             DQ32, kv_bar, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
-                             ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                             stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 1,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                             PIPELINED, DQ_FRAG, EARLY)),
+                             DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
+                             RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
         ], [4, 4], [240, 240])
 
 
