@@ -1068,9 +1068,10 @@ WS_DKDV_STAGES = 4
 WS_DKDV_PIPELINED = (64,)
 # (head dim, causal) of the dense calls whose deterministic dK/dV pass runs one program an SM, each taking every
 # num_programs-th tile (a key block of a batch and key head, in the hardware's order), the next tile's K, V and first
-# steps loaded while the last tile's dK and dV are stored: D64 not causal 1.030-1.043x deterministic forward+backward
-# (H200, L 2K-16K, best of 3 shuffled rounds; 1.002-1.023x in an earlier run), D64 causal 0.972-0.976x, D128
-# 0.82-1.01x. The one pass with dQ so measured 0.79-0.99x (a tile counter dealing the tiles instead: 0.86-0.99x).
+# steps loaded while the last tile's dK and dV are stored: D64 not causal 1.014-1.093x deterministic forward+backward
+# over a program a tile (H200, L 2K-16K, best of 3 shuffled rounds; 1.030-1.043x and 1.002-1.023x in two earlier
+# forms), D64 causal 0.972-0.976x, D128 0.82-1.01x. The one pass with dQ so measured 0.67-0.985x (a tile counter
+# dealing the tiles instead: 0.86-0.996x).
 WS_DKDV_PERSISTENT = ((64, False),)
 WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
@@ -1110,7 +1111,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     in the padding rows) and delta (0 there); ``dq32``: (B * H, L padded likewise, D) fp32 zeros, where the programs
     add dQ (``ONE_PASS_DQ_FRAGMENTS``: in the fragment order of ``_bwd_dq_red``). With ``dq`` and ``dq32`` None, dK
     and dV alone, by the same producer and consumers (``ws_dkdv_applies``): no unordered sums, so bitwise
-    repeatable."""
+    repeatable; ``WS_DKDV_PERSISTENT`` calls then run one program an SM."""
     B, H, L, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     block_n, block_m = ONE_PASS_BLOCK_N, ONE_PASS_BLOCK_M
@@ -1134,8 +1135,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
         *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles, qk_scale, scale, cap_scale, HEAD_DIM=D,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
         PERSISTENT=persistent, num_warps=4,
