@@ -18,6 +18,8 @@ from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
 
 TILE, SCHEDULED = ((64, False),), ((64, False), (64, True))
 hopper.MIN_FLOPS = 0
+KEPT_MIN_KEYS = dict(hopper.WS_DKDV_MIN_KEYS)
+hopper.WS_DKDV_MIN_KEYS = dict.fromkeys(KEPT_MIN_KEYS, 0)  # the small shapes below take the warp-specialized pass
 
 
 def grads(q, k, v, g):
@@ -38,6 +40,7 @@ for B, H, H_kv, L in [(3, 4, 4, 2050), (8, 8, 2, 1100), (1, 16, 16, 3001)]:
     tile = grads(q, k, v, g)
     print(f"B{B} H{H}/{H_kv} L{L} causal: scheduled equal to a program a tile "
           f"{[torch.equal(x, y) for x, y in zip(sched, tile, strict=True)]}", flush=True)
+hopper.WS_DKDV_MIN_KEYS = KEPT_MIN_KEYS
 
 
 def best(steps, args):
