@@ -511,24 +511,6 @@ def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: i
     return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=32)
-def _dkdv_schedule(n_blocks: int, num_bhk: int, L: int, steps_per_block: int, programs: int,
-                   device: torch.device) -> torch.Tensor:
-    """``_causal_schedule`` for the causal dK/dV tiles of persistent programs: the tiles in launch order (each batch
-    and key head's key blocks, longest first), each to the program that frees up first by the tiles' steps (a key
-    block n sees the query blocks from its diagonal on, ``steps_per_block`` steps each, for the heads sharing it), plus
-    TILE_OVERHEAD_BLOCKS for its K/V load and dK/dV store. Same int32 layout."""
-    free = [(0, p) for p in range(programs)]
-    tiles: list[list[int]] = [[] for _ in range(programs)]
-    for t in range(n_blocks * num_bhk):
-        n0 = t % n_blocks * ONE_PASS_BLOCK_N
-        busy, p = heapq.heappop(free)
-        tiles[p].append(t)
-        heapq.heappush(free, (busy + cdiv(L - n0, ONE_PASS_BLOCK_M) * steps_per_block + TILE_OVERHEAD_BLOCKS, p))
-    start = list(itertools.accumulate((len(x) for x in tiles), initial=0))
-    return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
-
-
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1149,17 +1131,14 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     n_tiles = cdiv(S, block_n) * B * H_kv
     persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
     grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
-    scheduled = persistent and is_causal
-    schedule = (_dkdv_schedule(cdiv(S, block_n), B * H_kv, L, H // H_kv, grid[0], q.device) if scheduled
-                else stats)
     launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles, schedule, qk_scale, scale, cap_scale, HEAD_DIM=D,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles, qk_scale, scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
-        PERSISTENT=persistent, SCHEDULE=scheduled, num_warps=4,
+        PERSISTENT=persistent, num_warps=4,
     )
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
@@ -1250,21 +1229,20 @@ if gluon is not None:
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                      BH, n_tiles, Schedule, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                      SCHEDULE: gl.constexpr):
+                      BH, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         """The tile's loads, or (PERSISTENT) every num_programs-th tile's, each tile's K and V once both consumers are
         done with the last tile's, ring positions and phases counted across the tiles."""
         if PERSISTENT:
             steps = 0
-            first, count = _ws_tiles(n_tiles, Schedule, SCHEDULE)
-            for j in range(count):
-                tile = _ws_tile_id(first, j, Schedule, SCHEDULE)
+            j = 0
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
                 steps += _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem,
                                            v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty,
                                            ColLo, ColHi, H, GROUP, L, S, BH, tile, steps, BLOCK_M, BLOCK_N, CAUSAL,
                                            INTERVALS, STAGES, PERSISTENT)
+                j += 1
         else:
             _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
@@ -1303,21 +1281,19 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                       ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                      stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, Schedule, qk_scale, scale, cap_scale,
-                      WG: gl.constexpr,
+                      stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale, cap_scale, WG: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                       INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
                       DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
-                      EARLY: gl.constexpr, PERSISTENT: gl.constexpr, SCHEDULE: gl.constexpr):
+                      EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """The program's tile, or (PERSISTENT: step pairs without dQ) every num_programs-th tile, each tile's K and V
         released to the producer once its last product has run, ring positions and phases counted across the
         tiles."""
         if PERSISTENT:
             gl.static_assert(STEP_PAIRS and not DQ, "persistent programs: the step pairs without dQ")
             steps = 0
-            first, count = _ws_tiles(n_tiles, Schedule, SCHEDULE)
-            for j in range(count):
-                tile = _ws_tile_id(first, j, Schedule, SCHEDULE)
+            j = 0
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
                 steps += _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                                            dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
                                            ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
@@ -1325,6 +1301,7 @@ if gluon is not None:
                                            GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, WG,
                                            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
                                            DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
+                j += 1
         else:
             _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                               kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
@@ -1797,12 +1774,12 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, n_tiles, Schedule, qk_scale, scale, cap_scale,
+                         H, GROUP, L, S, BH, L_PAD, n_tiles, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
                          PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
-                         PERSISTENT: gl.constexpr, SCHEDULE: gl.constexpr):
+                         PERSISTENT: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile):
         a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers."""
         dtype: gl.constexpr = q_desc.dtype
@@ -1839,20 +1816,19 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
-                             GROUP, L, S, BH, n_tiles, Schedule, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES,
-                             PERSISTENT, SCHEDULE)),
+                             GROUP, L, S, BH, n_tiles, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, Schedule,
-                             qk_scale, scale, cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP,
-                             STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SCHEDULE)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, Schedule,
-                             qk_scale, scale, cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP,
-                             STAGES, STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SCHEDULE)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
         ], [4, 4], [240, 240])
 
 
