@@ -1070,8 +1070,8 @@ WS_DKDV_PIPELINED = (64,)
 # num_programs-th tile (a key block of a batch and key head, in the hardware's order), the next tile's K, V and first
 # steps loaded while the last tile's dK and dV are stored: D64 not causal 1.014-1.093x deterministic forward+backward
 # over a program a tile (H200, L 2K-16K, best of 3 shuffled rounds; 1.030-1.043x and 1.002-1.023x in two earlier
-# forms), D64 causal 0.972-0.976x, D128 0.82-1.01x. The one pass with dQ so measured 0.67-0.985x (a tile counter
-# dealing the tiles instead: 0.86-0.996x).
+# forms), D64 causal 0.972-0.976x (dealt by a host-built schedule as the causal forward's: 0.975-1.005x), D128
+# 0.82-1.01x. The one pass with dQ so measured 0.67-0.985x (a tile counter dealing the tiles instead: 0.86-0.996x).
 WS_DKDV_PERSISTENT = ((64, False),)
 WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
