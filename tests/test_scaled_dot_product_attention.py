@@ -2211,13 +2211,14 @@ def test_cuda_hopper_persistent_dkdv_equals_a_program_a_tile(case, monkeypatch):
     last key block ragged; GQA 4:1), gives gradients bitwise equal to those of a program a tile, within the parity
     rule."""
     from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import cdiv
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
     monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0))
     B, H, H_kv, L = case
-    assert -(-L // hopper.ONE_PASS_BLOCK_N) * B * H_kv > torch.cuda.get_device_properties(0).multi_processor_count
+    assert cdiv(L, hopper.ONE_PASS_BLOCK_N) * B * H_kv > torch.cuda.get_device_properties(0).multi_processor_count
     q, k, v, _ = make_inputs(B, H, H_kv, L, L, 64, 64, torch.bfloat16, device="cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     grad = torch.randn_like(q)
