@@ -444,6 +444,9 @@ THREE_CONSUMERS_MIN_ROWS = 2048
 # Key block of the warp-specialized forward per head dim (D256: 64 KB of Q and 64 KB of O staging for two consumers
 # leave room for 32-key K/V blocks, 16 KB each, in a 2- or 3-deep ring).
 WS_BLOCK_N = {64: 128, 128: 128, 256: 32}
+# Q sets per persistent program (a tile's Q tiles, one a consumer): with two, the next tile's Q loads while this one
+# runs, so the producer goes straight on to its K and V blocks.
+WS_Q_STAGES = {(64, False): 2, (64, True): 2, (128, False): 1, (128, True): 2, (256, False): 1, (256, True): 1}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 ws_schedule = True  # persistent causal programs take their tiles from _causal_schedule's table (A/B switch)
 
@@ -492,6 +495,31 @@ def _causal_query_block(t: int, num_m: int, num_bh: int) -> int:
     return num_m - 1 - r // heads
 
 
+# experiment switch: how not-causal tiles are dealt where the last tile of a head is partial: None (every
+# programs-th), "order" (launch order, list scheduled), "last" (whole tiles first, then the partial ones)
+ws_schedule_partial = "order"
+
+
+@functools.lru_cache(maxsize=32)
+def _partial_schedule(num_m: int, num_bh: int, L: int, S: int, consumers: int, block_m: int, block_n: int,
+                      programs: int, last: bool, device: torch.device) -> torch.Tensor:
+    """Not-causal tiles dealt as ``_causal_schedule`` deals causal ones, a tile costing its key blocks times the
+    share of its consumers that have rows."""
+    cost = []
+    for t in range(num_m * num_bh):
+        active = min(consumers, cdiv(L - t % num_m * consumers * block_m, block_m))
+        cost.append(cdiv(S, block_n) * active / consumers + TILE_OVERHEAD_BLOCKS)
+    order = sorted(range(len(cost)), key=lambda t: -cost[t]) if last else range(len(cost))
+    free = [(0, p) for p in range(programs)]
+    tiles: list[list[int]] = [[] for _ in range(programs)]
+    for t in order:
+        busy, p = heapq.heappop(free)
+        tiles[p].append(t)
+        heapq.heappush(free, (busy + cost[t], p))
+    start = list(itertools.accumulate((len(x) for x in tiles), initial=0))
+    return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
+
+
 @functools.lru_cache(maxsize=32)
 def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: int, programs: int,
                      device: torch.device) -> torch.Tensor:
@@ -528,12 +556,17 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     scheduled = ws_schedule and persistent and is_causal and intervals is None
     schedule = _causal_schedule(num_m, B * H, S, consumers * block_m, block_n, grid[0], q.device) if scheduled else lse
+    if (ws_schedule_partial and persistent and not is_causal and intervals is None
+            and L % (consumers * block_m) != 0):
+        scheduled = True
+        schedule = _partial_schedule(num_m, B * H, L, S, consumers, block_m, block_n, grid[0],
+                                     ws_schedule_partial == "last", q.device)
     launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, schedule, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None,
         SOFTCAP=cap_scale > 0.0, STAGES=stages, CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP,
-        SCHEDULE=scheduled, num_warps=4,
+        SCHEDULE=scheduled, Q_STAGES=WS_Q_STAGES[(D, is_causal)] if persistent else 1, num_warps=4,
     )
 
 
@@ -592,10 +625,12 @@ if gluon is not None:
     def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
                      v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
-        """Every TMA load: a tile's Q tiles (one a consumer) once every consumer is done with the last tile's, then
-        its K and V blocks through STAGES-deep rings, a slot refilled once every consumer released it. Ring positions
-        and barrier phases count blocks across the program's tiles."""
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
+                     Q_STAGES: gl.constexpr):
+        """Every TMA load: a tile's Q tiles (one a consumer) into the next of Q_STAGES sets once every consumer is
+        done with that set's last tile, then its K and V blocks through STAGES-deep rings, a slot refilled once every
+        consumer released it. Ring positions and barrier phases count blocks (and Q sets) across the program's
+        tiles."""
         rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         kv = 0
         i = 0
@@ -604,10 +639,12 @@ if gluon is not None:
             t = _ws_tile_id(mine, r, Schedule, SCHEDULE)
             bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
                                                     BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, rows)
-            mbarrier.wait(q_empty, phase=(i & 1) ^ 1, pred=i > 0)
-            mbarrier.expect(q_full, CONSUMERS * q_desc.block_type.nbytes)
+            qs = i % Q_STAGES
+            mbarrier.wait(q_empty.index(qs), phase=((i // Q_STAGES) & 1) ^ 1, pred=i >= Q_STAGES)
+            mbarrier.expect(q_full.index(qs), CONSUMERS * q_desc.block_type.nbytes)
             for c in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(q_desc, [b, h, q_lo + c * BLOCK_M, 0], q_full, q_smem.index(c))
+                tma.async_copy_global_to_shared(q_desc, [b, h, q_lo + c * BLOCK_M, 0], q_full.index(qs),
+                                                q_smem.index(qs * CONSUMERS + c))
             for j in range(n):
                 slot = kv % STAGES
                 mbarrier.wait(k_empty.index(slot), phase=((kv // STAGES) & 1) ^ 1, pred=kv >= STAGES)
@@ -635,7 +672,8 @@ if gluon is not None:
                      RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale, cap_scale, WG: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
+                     CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
+                     Q_STAGES: gl.constexpr):
         """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
         consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
         unread), O stored by TMA."""
@@ -648,7 +686,6 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        q_tile = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
 
         kv = 0
         i = 0
@@ -669,12 +706,14 @@ if gluon is not None:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-            mbarrier.wait(q_full, phase=i & 1)
+            qs = i % Q_STAGES
+            q_tile = q_smem.index(qs * CONSUMERS + WG).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_full.index(qs), phase=(i // Q_STAGES) & 1)
             kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, lead, STAGES)
 
             if m0 >= L:  # rows past the end (the last tile's last consumer(s) when L is not a multiple of the tile):
                 # nothing to compute (it was a whole causal row of blocks before: 6% of a D64 causal 2K head)
-                mbarrier.arrive(q_empty, count=1)
+                mbarrier.arrive(q_empty.index(qs), count=1)
                 kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead, STAGES)
             elif CONSUMERS == 2:
                 slot = kv % STAGES
@@ -704,7 +743,7 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                mbarrier.arrive(q_empty, count=1)  # this tile's S products are done: the next Q may come
+                mbarrier.arrive(q_empty.index(qs), count=1)  # this tile's S products are done: the next Q may come
                 mbarrier.wait(v_full.index(slot), phase=(kv // STAGES) & 1)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                     v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
@@ -729,7 +768,7 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     mbarrier.arrive(v_empty.index(slot), count=1)
                     kv += 1
-                mbarrier.arrive(q_empty, count=1)
+                mbarrier.arrive(q_empty.index(qs), count=1)
                 kv = _ws_release(k_full, v_full, k_empty, v_empty, kv, n_tile - lead - n, STAGES)
             i += 1
 
@@ -753,20 +792,22 @@ if gluon is not None:
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, H, GROUP, L, S,
                      qk_scale, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr):
+                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
+                     Q_STAGES: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=CONSUMERS)  # every consumer releases Q
+        for i in gl.static_range(Q_STAGES):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=CONSUMERS)  # every consumer releases its Q
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
@@ -783,33 +824,33 @@ if gluon is not None:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
-                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 2, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
             ], [4, 4, 4], [160, 160, 160])
         else:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
-                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
             ], [4, 4], [232, 232])
 
 
