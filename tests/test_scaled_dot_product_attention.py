@@ -2158,6 +2158,35 @@ def test_hopper_deterministic_dkdv_is_persistent_for_dense_d64_not_causal(monkey
         assert [launch[1:] for launch in launches if launch[0] == "_attn_bwd_hopper"] == [want], (D, causal, B, H, L)
 
 
+def test_hopper_forward_double_buffers_q_in_persistent_programs(monkeypatch):
+    """The warp-specialized forward (recorded on CPU, as above) gives its persistent programs two Q sets (WS_Q_STAGES)
+    at D64 and at D128 causal; D128 not causal, and D128 causal calls that keep one program a tile (beyond
+    PERSISTENT_CAUSAL_MAX_KEYS), one."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    record = lambda kernel, grid, *args, **meta: launches.append((kernel.__name__, grid, meta["Q_STAGES"]))  # noqa: E731
+    monkeypatch.setattr(hopper, "launch", record)
+    monkeypatch.setattr(hopper, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper, "enabled", True)
+    monkeypatch.setattr(hopper, "applies", lambda *args, **kwargs: True)
+    cases = {  # (D, causal, B, H, L): the forward's grid and Q sets
+        (64, False, 2, 8, 2048): ((132,), 2),  # 11 tiles of 192 rows x 16
+        (64, True, 2, 8, 2048): ((132,), 2),
+        (128, False, 2, 8, 2048): ((132,), 1),
+        (128, True, 2, 8, 2048): ((132,), 2),
+        (128, True, 1, 2, 8320): ((130,), 1),  # 65 tiles of 128 rows x 2, a program each
+    }
+    for (D, causal, B, H, L), want in cases.items():
+        q = torch.zeros(B, H, L, D, dtype=torch.bfloat16)
+        launches.clear()
+        K.attention_forward(q, q, q, None, None, causal, 0.125)
+        assert [launch[1:] for launch in launches] == [want], (D, causal, B, H, L)
+
+
 HOPPER_BACKWARD_CASES = HOPPER_CASES + [
     (2, 8, 2, 333, 777, 128, False),  # GQA 4:1, ragged tails of L and S
     (1, 4, 4, 777, 333, 128, True),  # L > S: key blocks past the last query row's diagonal
@@ -2235,6 +2264,40 @@ def test_cuda_hopper_persistent_dkdv_equals_a_program_a_tile(case, monkeypatch):
         monkeypatch.setattr(hopper, "WS_DKDV_PERSISTENT", ())
         a_program_a_tile = grads()
     for name, x, y in zip(("dq", "dk", "dv"), persistent, a_program_a_tile, strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (64, False, 3, 5, 5, 2311, (-1, -1)),  # three consumers, the last tile of each head partial
+    (64, True, 2, 8, 2, 4097, (-1, -1)),  # causal schedule, GQA 4:1
+    (128, True, 2, 6, 3, 5000, (-1, -1)),
+    (64, True, 1, 8, 8, 9000, (4500, 0)),  # key intervals
+])
+def test_cuda_hopper_forward_with_two_q_sets_equals_one(case, monkeypatch):
+    """On an H100/H200 the warp-specialized forward's persistent programs with two Q sets (the next tile's Q loaded
+    while this one runs) give outputs and logsumexps bitwise equal to those with one, over more tiles than SMs."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    D, causal, B, H, H_kv, L, window = case
+    q_stages = []
+    launch = hopper.launch
+
+    def record(kernel, grid, *args, **meta):
+        q_stages.append(meta.get("Q_STAGES"))
+        launch(kernel, grid, *args, **meta)
+    monkeypatch.setattr(hopper, "launch", record)
+    monkeypatch.setattr(hopper, "MIN_FLOPS", 0)
+    q = torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, H_kv, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    two = K.attention_forward(q, k, v, None, None, causal, D**-0.5, window=window)
+    monkeypatch.setattr(hopper, "WS_Q_STAGES", dict.fromkeys(hopper.WS_Q_STAGES, 1))
+    one = K.attention_forward(q, k, v, None, None, causal, D**-0.5, window=window)
+    assert q_stages == [2, 1]  # the warp-specialized forward ran, persistent
+    for name, x, y in zip(("out", "lse"), two, one, strict=True):
         assert torch.equal(x, y), name
 
 

@@ -444,8 +444,13 @@ THREE_CONSUMERS_MIN_ROWS = 2048
 # Key block of the warp-specialized forward per head dim (D256: 64 KB of Q and 64 KB of O staging for two consumers
 # leave room for 32-key K/V blocks, 16 KB each, in a 2- or 3-deep ring).
 WS_BLOCK_N = {64: 128, 128: 128, 256: 32}
-# Q sets per persistent program (a tile's Q tiles, one a consumer): with two, the next tile's Q loads while this one
-# runs, so the producer goes straight on to its K and V blocks.
+# Q sets of a persistent program (a tile's Q tiles, one a consumer) per (head dim, causal): with two, the next tile's
+# Q loads while this one runs, so the producer goes straight on from one tile's K and V blocks to the next one's
+# instead of waiting for every consumer to finish with the last Q (with three consumers, their whole tile). Forward
+# against one set (H200, L 2K / 4K / 16K, best of 3 shuffled rounds): D64 not causal 1.010 / 1.015 / 1.013x, causal
+# 1.029 / 0.999 / 1.009x, D128 causal 1.028 / 1.010x (16K keeps one program a tile); D128 not causal 0.986-0.989x
+# (229 KB of shared memory with two; its two consumers release Q after their last S, so the next one loads under
+# the last P V already); D64 causal windows of 4096 / 8192 keys 0.992 / 1.008x. D256: no room.
 WS_Q_STAGES = {(64, False): 2, (64, True): 2, (128, False): 1, (128, True): 2, (256, False): 1, (256, True): 1}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 ws_schedule = True  # persistent causal programs take their tiles from _causal_schedule's table (A/B switch)
@@ -495,31 +500,6 @@ def _causal_query_block(t: int, num_m: int, num_bh: int) -> int:
     return num_m - 1 - r // heads
 
 
-# experiment switch: how not-causal tiles are dealt where the last tile of a head is partial: None (every
-# programs-th), "order" (launch order, list scheduled), "last" (whole tiles first, then the partial ones)
-ws_schedule_partial = "order"
-
-
-@functools.lru_cache(maxsize=32)
-def _partial_schedule(num_m: int, num_bh: int, L: int, S: int, consumers: int, block_m: int, block_n: int,
-                      programs: int, last: bool, device: torch.device) -> torch.Tensor:
-    """Not-causal tiles dealt as ``_causal_schedule`` deals causal ones, a tile costing its key blocks times the
-    share of its consumers that have rows."""
-    cost = []
-    for t in range(num_m * num_bh):
-        active = min(consumers, cdiv(L - t % num_m * consumers * block_m, block_m))
-        cost.append(cdiv(S, block_n) * active / consumers + TILE_OVERHEAD_BLOCKS)
-    order = sorted(range(len(cost)), key=lambda t: -cost[t]) if last else range(len(cost))
-    free = [(0, p) for p in range(programs)]
-    tiles: list[list[int]] = [[] for _ in range(programs)]
-    for t in order:
-        busy, p = heapq.heappop(free)
-        tiles[p].append(t)
-        heapq.heappush(free, (busy + cost[t], p))
-    start = list(itertools.accumulate((len(x) for x in tiles), initial=0))
-    return torch.tensor(start + [t for x in tiles for t in x], dtype=torch.int32, device=device)
-
-
 @functools.lru_cache(maxsize=32)
 def _causal_schedule(num_m: int, num_bh: int, S: int, tile_rows: int, block_n: int, programs: int,
                      device: torch.device) -> torch.Tensor:
@@ -556,11 +536,6 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
     row_lo, row_hi = intervals[:2] if intervals is not None else (lse, lse)
     scheduled = ws_schedule and persistent and is_causal and intervals is None
     schedule = _causal_schedule(num_m, B * H, S, consumers * block_m, block_n, grid[0], q.device) if scheduled else lse
-    if (ws_schedule_partial and persistent and not is_causal and intervals is None
-            and L % (consumers * block_m) != 0):
-        scheduled = True
-        schedule = _partial_schedule(num_m, B * H, L, S, consumers, block_m, block_n, grid[0],
-                                     ws_schedule_partial == "last", q.device)
     launch(_attn_fwd_ws, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         row_lo, row_hi, schedule, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D,
