@@ -454,7 +454,6 @@ WS_BLOCK_N = {64: 128, 128: 128, 256: 32}
 WS_Q_STAGES = {(64, False): 2, (64, True): 2, (128, False): 1, (128, True): 2, (256, False): 1, (256, True): 1}
 ws_enabled = True  # False: the forward above for every call (A/B timing)
 ws_schedule = True  # persistent causal programs take their tiles from _causal_schedule's table (A/B switch)
-ws_prefetch_tile = True  # experiment switch: each program loads its next tile's index under this tile
 
 
 # Key intervals (windows, packed sequences) too, (K/V ring depth, persistent, consumers, fewest keys a row) per head
@@ -542,8 +541,7 @@ def _forward_warp_specialized(q, k, v, is_causal: bool, qk_scale: float, cap_sca
         row_lo, row_hi, schedule, num_tiles, num_m, H, H // k.shape[1], L, S, qk_scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, EVEN_S=S % block_n == 0, INTERVALS=intervals is not None,
         SOFTCAP=cap_scale > 0.0, STAGES=stages, CONSUMERS=consumers, BH_GROUP=CAUSAL_HEAD_GROUP,
-        SCHEDULE=scheduled, Q_STAGES=WS_Q_STAGES[(D, is_causal)] if persistent else 1, PREFETCH_TILE=ws_prefetch_tile,
-        num_warps=4,
+        SCHEDULE=scheduled, Q_STAGES=WS_Q_STAGES[(D, is_causal)] if persistent else 1, num_warps=4,
     )
 
 
@@ -592,10 +590,10 @@ if gluon is not None:
         return 0, (num_tiles - p + P - 1) // P
 
     @gluon.jit
-    def _ws_tile_id(first, r, count, Schedule, SCHEDULE: gl.constexpr):
-        """The r-th tile of this program (``_ws_tiles``; r < count, else anything)."""
+    def _ws_tile_id(first, r, Schedule, SCHEDULE: gl.constexpr):
+        """The r-th tile of this program (``_ws_tiles``)."""
         if SCHEDULE:
-            return gl.load(Schedule + gl.num_programs(0) + 1 + first + r, mask=r < count, other=0)
+            return gl.load(Schedule + gl.num_programs(0) + 1 + first + r)
         return gl.program_id(0) + r * gl.num_programs(0)
 
     @gluon.jit
@@ -603,7 +601,7 @@ if gluon is not None:
                      v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PREFETCH_TILE: gl.constexpr):
+                     Q_STAGES: gl.constexpr):
         """Every TMA load: a tile's Q tiles (one a consumer) into the next of Q_STAGES sets once every consumer is
         done with that set's last tile, then its K and V blocks through STAGES-deep rings, a slot refilled once every
         consumer released it. Ring positions and barrier phases count blocks (and Q sets) across the program's
@@ -612,13 +610,8 @@ if gluon is not None:
         kv = 0
         i = 0
         mine, count = _ws_tiles(num_tiles, Schedule, SCHEDULE)
-        t_next = _ws_tile_id(mine, 0, count, Schedule, SCHEDULE)
         for r in range(count):
-            if PREFETCH_TILE:  # the next tile's index loads under this tile (a table load with SCHEDULE)
-                t = t_next
-                t_next = _ws_tile_id(mine, r + 1, count, Schedule, SCHEDULE)
-            else:
-                t = _ws_tile_id(mine, r, count, Schedule, SCHEDULE)
+            t = _ws_tile_id(mine, r, Schedule, SCHEDULE)
             bh, b, h, hk, q_lo, first, n = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
                                                     BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, rows)
             qs = i % Q_STAGES
@@ -655,7 +648,7 @@ if gluon is not None:
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PREFETCH_TILE: gl.constexpr):
+                     Q_STAGES: gl.constexpr):
         """Warpgroup WG's 64 rows of each tile: the forward above's loop on the shared K/V rings (with two
         consumers; three take one block at a time), over the tile's blocks its rows reach (the others released
         unread), O stored by TMA."""
@@ -672,13 +665,8 @@ if gluon is not None:
         kv = 0
         i = 0
         mine, count = _ws_tiles(num_tiles, Schedule, SCHEDULE)
-        t_next = _ws_tile_id(mine, 0, count, Schedule, SCHEDULE)
         for r in range(count):
-            if PREFETCH_TILE:  # the next tile's index loads under this tile (a table load with SCHEDULE)
-                t = t_next
-                t_next = _ws_tile_id(mine, r + 1, count, Schedule, SCHEDULE)
-            else:
-                t = _ws_tile_id(mine, r, count, Schedule, SCHEDULE)
+            t = _ws_tile_id(mine, r, Schedule, SCHEDULE)
             bh, b, h, hk, q_lo, first, n_tile = _ws_tile(t, num_tiles, num_m, L, S, H, GROUP, RowLo, RowHi, BLOCK_M,
                                                          BLOCK_N, CAUSAL, INTERVALS, CONSUMERS, BH_GROUP, row_s)
             m0 = q_lo + WG * BLOCK_M
@@ -780,7 +768,7 @@ if gluon is not None:
                      qk_scale, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, EVEN_S: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr,
                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr, BH_GROUP: gl.constexpr, SCHEDULE: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PREFETCH_TILE: gl.constexpr):
+                     Q_STAGES: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -811,35 +799,33 @@ if gluon is not None:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
-                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES,
-                                PREFETCH_TILE)),
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES, PREFETCH_TILE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES, PREFETCH_TILE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 2, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES, PREFETCH_TILE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
             ], [4, 4, 4], [160, 160, 160])
         else:
             gl.warp_specialize([
                 (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                 k_empty, v_empty, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, BLOCK_M,
-                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES,
-                                PREFETCH_TILE)),
+                                BLOCK_N, CAUSAL, INTERVALS, STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES, PREFETCH_TILE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, o_desc, q_full, q_empty, k_full, v_full, k_empty,
                                 v_empty, Lse, RowLo, RowHi, Schedule, num_tiles, num_m, L, S, H, GROUP, qk_scale,
                                 cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_S, INTERVALS, SOFTCAP,
-                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES, PREFETCH_TILE)),
+                                STAGES, CONSUMERS, BH_GROUP, SCHEDULE, Q_STAGES)),
             ], [4, 4], [232, 232])
 
 
