@@ -782,7 +782,7 @@ if gluon is not None:
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(Q_STAGES):
             mbarrier.init(q_full.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=CONSUMERS)  # every consumer releases its Q
+            mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival a consumer frees the set
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
