@@ -1061,7 +1061,6 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
-one_pass_int_dq = False
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
@@ -1142,7 +1141,7 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     frag = with_dq and frag_stages is not None
     dq_desc = (_new_descriptor(dq32, [B * H, L, D], [l_pad * D, D, 1], [1, block_m, dq_cols],
                                _dq_layout(block_m, dq_cols))
-               if with_dq and dq32.dtype == torch.float32 else stats_desc)  # not read without dQ
+               if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
     n_tiles = cdiv(S, block_n) * B * H_kv
@@ -1209,8 +1208,6 @@ if gluon is not None:
             dq = tl.load(DQ32 + src, mask=rows)
         ptrs = (DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_m[:, None] * stride_m
                 + offs_d[None, :] * stride_d)
-        if DQ32.dtype.element_ty == tl.int64:
-            dq = dq.to(tl.float32) * (1.0 / 4294967296.0)
         tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
     @builtin
@@ -1770,10 +1767,7 @@ if gluon is not None:
                 * (HEAD_DIM // DQ_COLS) + WG)
         ptrs = (DQ32 + tile * (BLOCK_M * DQ_COLS) + gl.expand_dims(r // 8 * 512 + r % 8 * 16, 1)
                 + gl.expand_dims(c // 4 % 4 * 128 + c // 16 * 4 + c % 4, 0))
-        if DQ32.dtype.element_ty == gl.int64:
-            gl.atomic_add(ptrs, (dq_p * 4294967296.0).to(gl.int64), sem="relaxed")
-        else:
-            gl.atomic_add(ptrs, dq_p, sem="relaxed")
+        gl.atomic_add(ptrs, dq_p, sem="relaxed")
 
     @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,

@@ -1067,8 +1067,7 @@ def attention_backward(
         stats = hopper.one_pass_stats(q)
         lse2, delta = stats.unbind()
         l_pad = stats.shape[-1]
-        dq32 = torch.empty((B * H, l_pad, D), dtype=torch.int64 if hopper.one_pass_int_dq else torch.float32,
-                           device=dev)  # the preprocess zeroes it
+        dq32 = torch.empty((B * H, l_pad, D), dtype=torch.float32, device=dev)  # the preprocess zeroes it
         launch(_bwd_preprocess_kernel, (cdiv(l_pad, 64), B * H), out, grad_out, delta, lse, lse2, dq32,
                *out.stride(), *grad_out.stride(), H, L, DV, l_pad, BLOCK_M=64, BLOCK_DV=D, LSE2=True)
         hopper.attention_backward(q, k, v, grad_out, stats, dq32, hopper_causal, qk_scale, scale, dq, dk, dv,
