@@ -1061,6 +1061,8 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
+one_pass_order = None  # experiment: f(key blocks, B * H_kv, causal, device) -> int32 tile order
+one_pass_trace = None  # experiment: {} to record each program's (start, end, SM, tile) in ['buf']
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
@@ -1143,6 +1145,13 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
+    if intervals is None and not (not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT):
+        n_kb = cdiv(S, block_n)
+        if one_pass_order is not None:
+            col_lo = one_pass_order(n_kb, B * H_kv, is_causal, q.device)
+        if one_pass_trace is not None:
+            row_lo = one_pass_trace.setdefault("buf", torch.zeros(n_kb * B * H_kv * 4, dtype=torch.int64,
+                                                                   device=q.device))
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
     n_tiles = cdiv(S, block_n) * B * H_kv
     persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
@@ -1225,6 +1234,11 @@ if gluon is not None:
         first key on; INTERVALS: the blocks its keys' query intervals reach)."""
         if PERSISTENT:
             n_blocks = gl.cdiv(S, BLOCK_N)
+            n0 = (tile % n_blocks) * BLOCK_N
+            bhk = tile // n_blocks
+        elif not INTERVALS and ColLo.dtype.element_ty == gl.int32:  # a tile order table from the host
+            n_blocks = gl.cdiv(S, BLOCK_N)
+            tile = gl.load(ColLo + gl.program_id(0) + gl.program_id(1) * gl.num_programs(0))
             n0 = (tile % n_blocks) * BLOCK_N
             bhk = tile // n_blocks
         else:
@@ -1351,6 +1365,10 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
+        TRACE: gl.constexpr = not INTERVALS and RowLo.dtype.element_ty == gl.int64 and WG == 0
+        if TRACE:  # the program's start and end times and SM
+            t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                           pack=1)
         n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
                                                       INTERVALS, PERSISTENT)
         keys0 = n0 + WG * KEYS
@@ -1398,6 +1416,15 @@ if gluon is not None:
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
+        if TRACE:
+            t1 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                           pack=1)
+            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            pid = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
+            gl.store(RowLo + pid * 4, t0)
+            gl.store(RowLo + pid * 4 + 1, t1)
+            gl.store(RowLo + pid * 4 + 2, sm.to(gl.int64))
+            gl.store(RowLo + pid * 4 + 3, (n0 // BLOCK_N + (b * (H // GROUP) + hk) * gl.cdiv(S, BLOCK_N)).to(gl.int64))
         return total
 
     @gluon.jit
