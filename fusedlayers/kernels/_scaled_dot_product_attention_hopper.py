@@ -1061,7 +1061,7 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
-one_pass_order = None  # experiment: f(key blocks, B * H_kv, causal, device) -> int32 tile order
+one_pass_group = 0  # experiment: > 0: key blocks dealt key block by key block within groups of this many heads
 one_pass_trace = None  # experiment: {} to record each program's (start, end, SM, tile) in ['buf']
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
@@ -1147,8 +1147,6 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
     if intervals is None and not (not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT):
         n_kb = cdiv(S, block_n)
-        if one_pass_order is not None:
-            col_lo = one_pass_order(n_kb, B * H_kv, is_causal, q.device)
         if one_pass_trace is not None:
             row_lo = one_pass_trace.setdefault("buf", torch.zeros(n_kb * B * H_kv * 4, dtype=torch.int64,
                                                                    device=q.device))
@@ -1159,7 +1157,8 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles, qk_scale, scale, cap_scale, HEAD_DIM=D,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles if persistent else one_pass_group, qk_scale, scale,
+        cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
@@ -1236,14 +1235,17 @@ if gluon is not None:
             n_blocks = gl.cdiv(S, BLOCK_N)
             n0 = (tile % n_blocks) * BLOCK_N
             bhk = tile // n_blocks
-        elif not INTERVALS and ColLo.dtype.element_ty == gl.int32:  # a tile order table from the host
-            n_blocks = gl.cdiv(S, BLOCK_N)
-            tile = gl.load(ColLo + gl.program_id(0) + gl.program_id(1) * gl.num_programs(0))
-            n0 = (tile % n_blocks) * BLOCK_N
-            bhk = tile // n_blocks
         else:
             n0 = gl.program_id(0) * BLOCK_N
             bhk = gl.program_id(1)
+            if tile > 0:  # experiment: the key blocks of groups of ``tile`` heads, key block by key block
+                n_kb = gl.num_programs(0)
+                pid = gl.program_id(0) + gl.program_id(1) * n_kb
+                group = pid // (tile * n_kb)
+                size = gl.minimum(tile, gl.num_programs(1) - group * tile)
+                r = pid - group * tile * n_kb
+                n0 = (r // size) * BLOCK_N
+                bhk = group * tile + r % size
         H_KV = H // GROUP
         if INTERVALS:
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -1276,7 +1278,7 @@ if gluon is not None:
         else:
             _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                              BH, 0, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
+                              BH, n_tiles, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
 
     @gluon.jit
     def _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
@@ -1336,7 +1338,8 @@ if gluon is not None:
             _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                               kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
                               ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, 0, 0, 0, WG,
+                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, n_tiles, 0, 0,
+                              WG,
                               HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
                               PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
 
