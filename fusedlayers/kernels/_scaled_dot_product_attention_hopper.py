@@ -1061,8 +1061,6 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
-one_pass_group = 0  # experiment: > 0: key blocks dealt key block by key block within groups of this many heads
-one_pass_trace = None  # experiment: {} to record each program's (start, end, SM, tile) in ['buf']
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
@@ -1093,6 +1091,24 @@ WS_DKDV_PIPELINED = (64,)
 WS_DKDV_PERSISTENT = ((64, False),)
 WS_DKDV_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048, (128, True): 4096}
 ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
+
+
+# A program-a-tile launch of the one pass (or of the deterministic dK/dV pass) goes out in launch order, a head's key
+# blocks in turn, head by head: on causal calls the last heads' longest key blocks then start in the last wave and the
+# SMs that finish first idle (traced per program on an H200: 6.2% of the SMs' time at D128 L 2K and 4K, 3.2% at D64,
+# 0.5% at 16K). Dealing the first key block of each of G heads, then their second, ... (the longest first), G heads at
+# a time, with G about a wave of programs over a head's key blocks, brings that to 0.5-1.6% at G 4-16 (G 2: 5.0-5.6%)
+# without reading more heads at once than a wave does.
+head_groups_enabled = True  # False: head by head (A/B timing)
+
+
+def _head_group(q: torch.Tensor, S: int, is_causal: bool, intervals) -> int:
+    """The heads whose causal key blocks a program-a-tile launch deals together (0: head by head): about a wave of
+    programs, the SMs over a head's key blocks; not causal (tiles alike) or on key intervals, 0."""
+    if not head_groups_enabled or not is_causal or intervals is not None:
+        return 0
+    group = round(_sm_count(q.device.index) / cdiv(S, ONE_PASS_BLOCK_N))
+    return group if group > 1 else 0
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
@@ -1145,20 +1161,15 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
                                _dq_layout(block_m, dq_cols))
                if with_dq else stats_desc)  # not read without dQ
     row_lo, row_hi, col_lo, col_hi = intervals if intervals is not None else (stats,) * 4
-    if intervals is None and not (not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT):
-        n_kb = cdiv(S, block_n)
-        if one_pass_trace is not None:
-            row_lo = one_pass_trace.setdefault("buf", torch.zeros(n_kb * B * H_kv * 4, dtype=torch.int64,
-                                                                   device=q.device))
     stages = (frag_stages if frag else 4 if pairs else 2) if with_dq else WS_DKDV_STAGES
     n_tiles = cdiv(S, block_n) * B * H_kv
     persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
     grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
+    deal = n_tiles if persistent else _head_group(q, S, is_causal, intervals)
     launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, n_tiles if persistent else one_pass_group, qk_scale, scale,
-        cap_scale, HEAD_DIM=D,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, deal, qk_scale, scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
@@ -1228,9 +1239,11 @@ if gluon is not None:
     def _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
         """(key block's first key, batch, key head, query blocks per head, first query block's row, steps) of the
-        program's tile (PERSISTENT: of ``tile``, the key blocks of each batch and key head in turn): a key block meets
-        the query blocks of each of the GROUP query heads sharing its key head (causal: from the block holding its
-        first key on; INTERVALS: the blocks its keys' query intervals reach)."""
+        program's tile (PERSISTENT: of ``tile``, the key blocks of each batch and key head in turn; otherwise of the
+        program, the key blocks of each batch and key head in turn, or with ``tile`` > 1, ``_head_group``'s dealing:
+        the first key block of each of ``tile`` heads, then their second, ..., group by group): a key block meets the
+        query blocks of each of the GROUP query heads sharing its key head (causal: from the block holding its first
+        key on; INTERVALS: the blocks its keys' query intervals reach)."""
         if PERSISTENT:
             n_blocks = gl.cdiv(S, BLOCK_N)
             n0 = (tile % n_blocks) * BLOCK_N
@@ -1238,7 +1251,7 @@ if gluon is not None:
         else:
             n0 = gl.program_id(0) * BLOCK_N
             bhk = gl.program_id(1)
-            if tile > 0:  # experiment: the key blocks of groups of ``tile`` heads, key block by key block
+            if tile > 1:  # the key blocks of groups of ``tile`` heads, key block by key block
                 n_kb = gl.num_programs(0)
                 pid = gl.program_id(0) + gl.program_id(1) * n_kb
                 group = pid // (tile * n_kb)
@@ -1261,14 +1274,14 @@ if gluon is not None:
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                      BH, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      BH, deal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                       INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         """The tile's loads, or (PERSISTENT) every num_programs-th tile's, each tile's K and V once both consumers are
         done with the last tile's, ring positions and phases counted across the tiles."""
         if PERSISTENT:
             steps = 0
             j = 0
-            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            for tile in range(gl.program_id(0), deal, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
                 steps += _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem,
                                            v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty,
@@ -1278,7 +1291,7 @@ if gluon is not None:
         else:
             _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                              BH, n_tiles, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
+                              BH, deal, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
 
     @gluon.jit
     def _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
@@ -1313,7 +1326,7 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                       ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                      stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale, cap_scale, WG: gl.constexpr,
+                      stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale, cap_scale, WG: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                       INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
                       DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
@@ -1325,7 +1338,7 @@ if gluon is not None:
             gl.static_assert(STEP_PAIRS and not DQ, "persistent programs: the step pairs without dQ")
             steps = 0
             j = 0
-            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            for tile in range(gl.program_id(0), deal, gl.num_programs(0)):
                 steps += _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                                            dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
                                            ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
@@ -1338,10 +1351,9 @@ if gluon is not None:
             _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                               kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
                               ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, n_tiles, 0, 0,
-                              WG,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ, OWN_DQ,
-                              PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
+                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, deal, 0, 0,
+                              WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ,
+                              OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
 
     @gluon.jit
     def _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
@@ -1368,10 +1380,6 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        TRACE: gl.constexpr = not INTERVALS and RowLo.dtype.element_ty == gl.int64 and WG == 0
-        if TRACE:  # the program's start and end times and SM
-            t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                           pack=1)
         n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
                                                       INTERVALS, PERSISTENT)
         keys0 = n0 + WG * KEYS
@@ -1419,15 +1427,6 @@ if gluon is not None:
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-        if TRACE:
-            t1 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                           pack=1)
-            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            pid = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
-            gl.store(RowLo + pid * 4, t0)
-            gl.store(RowLo + pid * 4 + 1, t1)
-            gl.store(RowLo + pid * 4 + 2, sm.to(gl.int64))
-            gl.store(RowLo + pid * 4 + 3, (n0 // BLOCK_N + (b * (H // GROUP) + hk) * gl.cdiv(S, BLOCK_N)).to(gl.int64))
         return total
 
     @gluon.jit
@@ -1816,18 +1815,19 @@ if gluon is not None:
                    + gl.expand_dims(offs_n, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, gl.convert_layout(dv.to(DV.dtype.element_ty), layout), mask=rows)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["deal"])
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, n_tiles, qk_scale, scale, cap_scale,
+                         H, GROUP, L, S, BH, L_PAD, deal, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
                          PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
                          PERSISTENT: gl.constexpr):
-        """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile):
-        a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers."""
+        """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile of
+        ``deal``): a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers. Without
+        PERSISTENT, ``deal`` > 1 deals the key blocks of that many heads together (``_head_group``)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -1862,17 +1862,17 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
-                             GROUP, L, S, BH, n_tiles, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)),
+                             GROUP, L, S, BH, deal, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
                              cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
                              STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, n_tiles, qk_scale, scale,
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
                              cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
                              STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
         ], [4, 4], [240, 240])
