@@ -2158,6 +2158,42 @@ def test_hopper_deterministic_dkdv_is_persistent_for_dense_d64_not_causal(monkey
         assert [launch[1:] for launch in launches if launch[0] == "_attn_bwd_hopper"] == [want], (D, causal, B, H, L)
 
 
+def test_hopper_backward_deals_causal_key_blocks_by_head_groups(monkeypatch):
+    """The one pass and the deterministic dK/dV pass (recorded on CPU, as above) deal causal key blocks G heads at a
+    time (``_head_group``: about a wave of 132 programs over a head's key blocks, 2 to HEAD_GROUP_MAX), head by head
+    (0) where that is 1 or more than HEAD_GROUP_MAX, not causal, or on key intervals."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+    from fusedlayers.kernels import scaled_dot_product_attention as K
+
+    if hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    deal = hopper._attn_bwd_hopper.arg_names.index("deal")
+    launches = []
+    record = lambda kernel, grid, *args, **meta: launches.append((kernel.__name__, args[deal:deal + 1]))  # noqa: E731
+    monkeypatch.setattr(hopper, "launch", record)
+    monkeypatch.setattr(K, "launch", record)
+    monkeypatch.setattr(hopper, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
+    monkeypatch.setattr(hopper, "WS_DKDV_MIN_KEYS", dict.fromkeys(hopper.WS_DKDV_MIN_KEYS, 0))
+    cases = {  # (D, causal, L, window, deterministic): the heads dealt together
+        (128, True, 4096, (-1, -1), False): 4,  # 32 key blocks a head
+        (128, True, 4500, (-1, -1), True): 4,  # 36
+        (64, True, 8192, (-1, -1), False): 2,  # 64
+        (64, True, 8192, (-1, -1), True): 2,
+        (128, True, 2048, (-1, -1), False): 0,  # 8 heads would fill a wave: more than HEAD_GROUP_MAX
+        (128, True, 16384, (-1, -1), False): 0,  # a head's key blocks fill a wave
+        (128, False, 4096, (-1, -1), False): 0,
+        (64, True, 4096, (1024, 0), False): 0,  # key intervals
+    }
+    for (D, causal, L, window, deterministic), want in cases.items():
+        q, k, v, out = (torch.zeros(1, 2, L, D, dtype=torch.bfloat16) for _ in range(4))
+        launches.clear()
+        with fl.use_deterministic_attention(deterministic):
+            K.attention_backward(out, q, k, v, out, torch.zeros(1, 2, L), None, None, causal, 0.125,
+                                 *(torch.empty_like(t) for t in (q, k, v)), None, window=window)
+        assert [d for name, d in launches if name == "_attn_bwd_hopper"] == [(want,)], (D, causal, L, window)
+
+
 def test_hopper_forward_double_buffers_q_in_persistent_programs(monkeypatch):
     """The warp-specialized forward (recorded on CPU, as above) gives its persistent programs two Q sets (WS_Q_STAGES)
     at D64 and at D128 causal; D128 not causal, and D128 causal calls that keep one program a tile (beyond
@@ -2299,6 +2335,34 @@ def test_cuda_hopper_forward_with_two_q_sets_equals_one(case, monkeypatch):
     assert q_stages == [2, 1]  # the warp-specialized forward ran, persistent
     for name, x, y in zip(("out", "lse"), two, one, strict=True):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [(128, 3, 20, 5, 4500), (64, 2, 12, 3, 4097)], ids=["D128GQA4L4500", "D64GQA4L4097"])
+def test_cuda_hopper_backward_by_head_groups_equals_head_by_head(case, monkeypatch):
+    """On an H100/H200 the causal one pass and deterministic dK/dV pass dealt by head groups (the last group smaller,
+    more tiles than SMs; GQA 4:1) give dK and dV bitwise equal to those dealt head by head in both modes, and dQ too
+    in the deterministic one."""
+    from fusedlayers.kernels import _scaled_dot_product_attention_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    D, B, H, H_kv, L = case
+    q, k, v, _ = make_inputs(B, H, H_kv, L, L, D, D, torch.bfloat16, device="cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grad = torch.randn_like(q)
+    assert hopper._head_group(q, L, True, None) == 4 and (B * H_kv) % 4
+
+    def grads(grouped):
+        monkeypatch.setattr(hopper, "head_groups_enabled", grouped)
+        return torch.autograd.grad(fl.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                   (q, k, v), grad)
+
+    for deterministic in (False, True):
+        with fl.use_deterministic_attention(deterministic):
+            grouped, by_head = grads(True), grads(False)
+        for name, x, y in list(zip(("dq", "dk", "dv"), grouped, by_head, strict=True))[0 if deterministic else 1:]:
+            assert torch.equal(x, y), (name, deterministic)
 
 
 @pytest.mark.cuda

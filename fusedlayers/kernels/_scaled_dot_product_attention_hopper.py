@@ -1095,20 +1095,24 @@ ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 
 # A program-a-tile launch of the one pass (or of the deterministic dK/dV pass) goes out in launch order, a head's key
 # blocks in turn, head by head: on causal calls the last heads' longest key blocks then start in the last wave and the
-# SMs that finish first idle (traced per program on an H200: 6.2% of the SMs' time at D128 L 2K and 4K, 3.2% at D64,
-# 0.5% at 16K). Dealing the first key block of each of G heads, then their second, ... (the longest first), G heads at
-# a time, with G about a wave of programs over a head's key blocks, brings that to 0.5-1.6% at G 4-16 (G 2: 5.0-5.6%)
-# without reading more heads at once than a wave does.
+# SMs that finish first idle (each program traced on an H200: 6.2% of the SMs' time at D128 L 2K and 4K, 3.2% at D64,
+# 0.5% at 16K). Dealt instead G heads at a time, the first key block of each, then their second, ... (the longest
+# first), with G about a wave of programs over a head's key blocks (4 at L 4K, 2 at 8K), that idle is 0.5-0.9% and
+# forward+backward gains: D128 L 4K / 8K 1.020-1.026x / 1.038x (deterministic 1.047x / 1.014x), D64 L 4K
+# 1.009-1.024x (H200, best of 3 shuffled rounds). At L 2K and below (G 8 and 16, more heads at once) not: D128 2K
+# 0.990-1.007x, D64 2K 0.996-1.024x, D128 1K 0.81x; so G stays within HEAD_GROUP_MAX.
+HEAD_GROUP_MAX = 4
 head_groups_enabled = True  # False: head by head (A/B timing)
 
 
 def _head_group(q: torch.Tensor, S: int, is_causal: bool, intervals) -> int:
-    """The heads whose causal key blocks a program-a-tile launch deals together (0: head by head): about a wave of
-    programs, the SMs over a head's key blocks; not causal (tiles alike) or on key intervals, 0."""
+    """The heads whose causal key blocks a program-a-tile backward launch deals together (0: head by head): about a
+    wave of programs, the SMs over a head's key blocks, from 2 to HEAD_GROUP_MAX; not causal (tiles alike) or on key
+    intervals, 0."""
     if not head_groups_enabled or not is_causal or intervals is not None:
         return 0
     group = round(_sm_count(q.device.index) / cdiv(S, ONE_PASS_BLOCK_N))
-    return group if group > 1 else 0
+    return group if 1 < group <= HEAD_GROUP_MAX else 0
 
 
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
