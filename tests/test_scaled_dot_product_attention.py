@@ -2095,6 +2095,7 @@ def test_hopper_backward_forms_delta_in_the_dq_pass_when_it_runs(monkeypatch):
     record = lambda kernel, grid, *args, **meta: launches.append((kernel.__name__, meta.get("FORM_DELTA")))  # noqa: E731
     monkeypatch.setattr(hopper, "launch", record)
     monkeypatch.setattr(K, "launch", record)
+    monkeypatch.setattr(hopper, "_sm_count", lambda device: 132)
     monkeypatch.setattr(hopper, "backward_passes", lambda *args, **kwargs: (True, True))
     q, k, v, out = (torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.zeros(1, 2, 256)
