@@ -89,7 +89,8 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 MIN_FLOPS = 2**34
 # The forwards deal causal tiles in groups of this many heads, the longest rows of a group first (``_causal_order``):
 # 1.03-1.10x one head at a time at D128 L 2K-16K (H100; the warp-specialized forward; D64's one-warpgroup forward
-# 0.99-1.02x). The dQ and dK/dV passes keep one head at a time (grouped: 0.96-1.05x, noise either way).
+# 0.99-1.02x). The dQ pass keeps one head at a time (grouped: 0.96-1.05x, noise either way); the one pass and the
+# deterministic dK/dV pass deal key blocks by groups of 2-4 heads where a wave covers that many (``_head_group``).
 CAUSAL_HEAD_GROUP = 8
 
 
@@ -1096,11 +1097,12 @@ ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 # A program-a-tile launch of the one pass (or of the deterministic dK/dV pass) goes out in launch order, a head's key
 # blocks in turn, head by head: on causal calls the last heads' longest key blocks then start in the last wave and the
 # SMs that finish first idle (each program traced on an H200: 6.2% of the SMs' time at D128 L 2K and 4K, 3.2% at D64,
-# 0.5% at 16K). Dealt instead G heads at a time, the first key block of each, then their second, ... (the longest
-# first), with G about a wave of programs over a head's key blocks (4 at L 4K, 2 at 8K), that idle is 0.5-0.9% and
-# forward+backward gains: D128 L 4K / 8K 1.020-1.026x / 1.038x (deterministic 1.047x / 1.014x), D64 L 4K
-# 1.009-1.024x (H200, best of 3 shuffled rounds). At L 2K and below (G 8 and 16, more heads at once) not: D128 2K
-# 0.990-1.007x, D64 2K 0.996-1.024x, D128 1K 0.81x; so G stays within HEAD_GROUP_MAX.
+# 0.5% at 16K). Dealt instead G heads at a time, the first key block of each, then their second, ... (the longest first,
+# as ``_causal_order`` deals the forwards' query blocks, G a runtime value here), with G about a wave of programs over a
+# head's key blocks (4 at L 4K, 2 at 8K), that idle is 0.5-0.9% and forward+backward gains: D128 L 4K / 8K 1.020-1.026x
+# / 1.038x (deterministic 1.047x / 1.014x), D64 L 4K 1.009-1.024x (H200, best of 3 shuffled rounds). At L 2K and below
+# (G 8 and 16, more heads at once) not: D128 2K 0.990-1.007x, D64 2K 0.996-1.024x, D128 1K 0.81x; so G stays within
+# HEAD_GROUP_MAX.
 HEAD_GROUP_MAX = 4
 head_groups_enabled = True  # False: head by head (A/B timing)
 
