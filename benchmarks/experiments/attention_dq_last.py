@@ -2,8 +2,7 @@
 counts its dQ_part additions a dQ tile at a time, the one completing a tile's count writes dQ there) against the
 conversion kernel after the pass. First the gradients both ways at odd shapes (GQA, fp16, strided dQ, soft-cap):
 dK and dV bitwise equal, dQ within the unordered sums' rounding; then forward+backward TFLOP/s, best of 3 shuffled
-rounds of triton.testing.do_bench with cuDNN and two timing probes (``dq_last_probe``: the additions' fence alone,
-then with the counts, the conversion kernel after both), (B, H, L, D) bf16, B*L = 16384, H*D = 2048.
+rounds of triton.testing.do_bench with cuDNN, (B, H, L, D) bf16, B*L = 16384, H*D = 2048.
 
     python benchmarks/experiments/attention_dq_last.py
 """
@@ -71,19 +70,16 @@ for D in (64, 128):
                        for _ in range(3))
             g = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
 
-            def step(last, cudnn=False, q=q, k=k, v=v, g=g, causal=causal, probe=3):
+            def step(last, cudnn=False, q=q, k=k, v=v, g=g, causal=causal):
                 def run():
                     hopper.dq_last_enabled = last
-                    hopper.dq_last_probe = probe
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         attention = F.scaled_dot_product_attention if cudnn else fl.scaled_dot_product_attention
                         attention(q, k, v, is_causal=causal).backward(g)
                     hopper.dq_last_enabled = False
                 return run
-            res = best({"last": step(True), "kernel": step(False), "cudnn": step(False, True),
-                        "fence": step(True, probe=1), "counts": step(True, probe=2)}, [q, k, v])
+            res = best({"last": step(True), "kernel": step(False), "cudnn": step(False, True)}, [q, k, v])
             tf = {n: (3.5 if causal else 7) * 2 * B * H * L * L * D / ms * 1e-9 for n, ms in res.items()}
             print(f"D{D} L{L} causal={causal}: last/kernel {tf['last'] / tf['kernel']:.3f}; /cuDNN last "
-                  f"{tf['last'] / tf['cudnn']:.3f} kernel {tf['kernel'] / tf['cudnn']:.3f}; /kernel fence "
-                  f"{tf['fence'] / tf['kernel']:.3f} counts {tf['counts'] / tf['kernel']:.3f} | "
+                  f"{tf['last'] / tf['cudnn']:.3f} kernel {tf['kernel'] / tf['cudnn']:.3f} | "
                   + " ".join(f"{n}={t:.0f}" for n, t in tf.items()), flush=True)

@@ -1066,7 +1066,6 @@ one_pass_enabled = True  # False: the two passes (A/B timing)
 # the warpgroup whose count completes a tile writes dQ = dq32 * scale there (``_bwd_dq_finish``), instead of a
 # conversion kernel over the whole dq32 after the pass.
 dq_last_enabled = False  # True: the one pass converts dQ itself (A/B timing)
-dq_last_probe = 3  # timing probe: 1 the additions' fence alone, 2 and the counts, 3 and the conversion (all of it)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
@@ -1187,9 +1186,9 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
-        PERSISTENT=persistent, DQ_LAST=dq_last_probe if dq_last else 0, num_warps=4,
+        PERSISTENT=persistent, DQ_LAST=dq_last, num_warps=4,
     )
-    if with_dq and not (dq_last and dq_last_probe == 3):
+    if with_dq and not dq_last:
         _dq_scale(dq32, dq, scale, frag)
 
 
@@ -1442,9 +1441,9 @@ if gluon is not None:
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-        if DQ_LAST > 0:
+        if DQ_LAST:
             _bwd_dq_finish(DQ32, dq_out, b * H + hk * GROUP, n_m, m_start, total, H, L, S, L_PAD, scale, WG,
-                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STEP_PAIRS, DQ_FRAG, DQ_LAST)
+                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STEP_PAIRS, DQ_FRAG)
         return total
 
     @gluon.jit
@@ -1819,7 +1818,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_dq_finish(DQ32, dq_out, bh0, n_m, m_start, total, H, L, S, L_PAD, scale, WG: gl.constexpr,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                       STEP_PAIRS: gl.constexpr, DQ_FRAG: gl.constexpr, PROBE: gl.constexpr):
+                       STEP_PAIRS: gl.constexpr, DQ_FRAG: gl.constexpr):
         """Counts this warpgroup's dQ_part additions, one count on each dQ tile it added to (its steps; STEP_PAIRS:
         every other one), and converts each tile whose count this completes: all the key blocks reaching it (causal:
         those from the first on to the one holding its last row's key), twice over for the warpgroups' halves of
@@ -1829,8 +1828,6 @@ if gluon is not None:
         gl.inline_asm_elementwise("fence.proxy.async.global; fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [n_m],
                                   dtype=gl.int32, is_pure=False, pack=1)  # this thread's additions are done
         gl.thread_barrier()  # and every thread's of the warpgroup
-        if PROBE < 2:
-            return
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         blocks = gl.cdiv(S, BLOCK_N)
         adders: gl.constexpr = 1 if STEP_PAIRS else 2
@@ -1844,15 +1841,14 @@ if gluon is not None:
                 need = gl.minimum(m * BLOCK_M // BLOCK_N + 1, blocks) * adders
             else:
                 need = blocks * adders
-            seen = gl.atomic_add(Count + (bh0 + step // n_m) * (L_PAD // BLOCK_M) + m,
-                                 gl.full([128], 1, gl.int32, layout), mask=mine, sem="acq_rel", scope="gpu")
-            none = gl.full([128], -1, gl.int32, layout)
-            done = gl.where(mine & (seen == need - 1) & (PROBE > 2), step, none)
+            seen = gl.atomic_add(Count + (bh0 + step // n_m) * (L_PAD // BLOCK_M) + m, 1, mask=mine, sem="acq_rel",
+                                 scope="gpu")
+            done = gl.where(mine & (seen == need - 1), step, -1)
             for _ in range(gl.sum((done >= 0).to(gl.int32), 0)):
                 t = gl.max(done, 0)
                 _bwd_dq_convert(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, bh0 + t // n_m,
                                 m_start // BLOCK_M + t % n_m, H, L, L_PAD, scale, HEAD_DIM, BLOCK_M, DQ_FRAG)
-                done = gl.where(done == t, none, done)
+                done = gl.where(done == t, -1, done)
 
     @gluon.jit
     def _bwd_dq_convert(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, bh, m, H, L, L_PAD, scale,
