@@ -1062,10 +1062,6 @@ ONE_PASS_OWN_DQ_SOFTCAP = (64,)
 # 32-byte pieces) measured 0.84-0.90x.
 ONE_PASS_DQ_FRAGMENTS = {(128, False): 2, (64, True): 6}
 one_pass_enabled = True  # False: the two passes (A/B timing)
-# The one pass converts dQ itself: each warpgroup, its dQ_part additions done, counts them a dQ tile at a time, and
-# the warpgroup whose count completes a tile writes dQ = dq32 * scale there (``_bwd_dq_finish``), instead of a
-# conversion kernel over the whole dq32 after the pass.
-dq_last_enabled = False  # True: the one pass converts dQ itself (A/B timing)
 # The deterministic mode's dK/dV: the one pass with its dQ work compiled out (``DQ`` off: no dS^T store, no meeting
 # of the warpgroups, no dQ_part) is a warp-specialized dK/dV pass, a TMA producer feeding two 64-key consumers, whose
 # gradients are as repeatable as the one-warpgroup pass's (no unordered sums). It reads a step's logsumexp and delta
@@ -1176,19 +1172,16 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
     grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
     deal = n_tiles if persistent else _head_group(q, S, is_causal, intervals)
-    dq_last = with_dq and intervals is None and dq_last_enabled  # on key intervals a dQ row may meet no key block
-    counts = torch.zeros((B * H, l_pad // block_m), dtype=torch.int32, device=q.device) if dq_last else stats
-    dq_args = (dq, *dq.stride(), counts) if dq_last else (stats, 0, 0, 0, 0, stats)
     launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), *dq_args, H, H // H_kv, L, S, B * H, l_pad, deal, qk_scale, scale, cap_scale, HEAD_DIM=D,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, deal, qk_scale, scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
-        PERSISTENT=persistent, DQ_LAST=dq_last, num_warps=4,
+        PERSISTENT=persistent, num_warps=4,
     )
-    if with_dq and not dq_last:
+    if with_dq:
         _dq_scale(dq32, dq, scale, frag)
 
 
@@ -1339,11 +1332,11 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                       ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                      stride_dvd, dq_out, H, GROUP, L, S, L_PAD, deal, qk_scale, scale, cap_scale,
-                      WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                      STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                      DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAST: gl.constexpr):
+                      stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale, cap_scale, WG: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
+                      DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
+                      EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """The program's tile, or (PERSISTENT: step pairs without dQ) every num_programs-th tile, each tile's K and V
         released to the producer once its last product has run, ring positions and phases counted across the
         tiles."""
@@ -1355,29 +1348,28 @@ if gluon is not None:
                 steps += _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                                            dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
                                            ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
-                                           stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                                           dq_out, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps,
-                                           WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                           STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, DQ_LAST)
+                                           stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H,
+                                           GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, WG,
+                                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
+                                           DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
                 j += 1
         else:
             _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                               kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
                               ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                              stride_dvn, stride_dvd, dq_out, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, deal,
-                              0, 0, WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
-                              DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, DQ_LAST)
+                              stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, deal, 0, 0,
+                              WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ,
+                              OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
 
     @gluon.jit
     def _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                           kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                           ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                          stride_dvd, dq_out, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps,
+                          stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps,
                           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                           STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr,
-                          DQ_LAST: gl.constexpr):
+                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1441,9 +1433,6 @@ if gluon is not None:
         tma.store_wait(0)
         _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-        if DQ_LAST:
-            _bwd_dq_finish(DQ32, dq_out, b * H + hk * GROUP, n_m, m_start, total, H, L, S, L_PAD, scale, WG,
-                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STEP_PAIRS, DQ_FRAG)
         return total
 
     @gluon.jit
@@ -1816,63 +1805,6 @@ if gluon is not None:
         gl.atomic_add(ptrs, dq_p, sem="relaxed")
 
     @gluon.jit
-    def _bwd_dq_finish(DQ32, dq_out, bh0, n_m, m_start, total, H, L, S, L_PAD, scale, WG: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                       STEP_PAIRS: gl.constexpr, DQ_FRAG: gl.constexpr):
-        """Counts this warpgroup's dQ_part additions, one count on each dQ tile it added to (its steps; STEP_PAIRS:
-        every other one), and converts each tile whose count this completes: all the key blocks reaching it (causal:
-        those from the first on to the one holding its last row's key), twice over for the warpgroups' halves of
-        the head dims, or once (STEP_PAIRS). Release and acquire at GPU scope order the additions before the count
-        and the count before the conversion's loads."""
-        DQ, stride_b, stride_h, stride_m, stride_d, Count = dq_out
-        gl.inline_asm_elementwise("fence.proxy.async.global; fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [n_m],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # this thread's additions are done
-        gl.thread_barrier()  # and every thread's of the warpgroup
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        blocks = gl.cdiv(S, BLOCK_N)
-        adders: gl.constexpr = 1 if STEP_PAIRS else 2
-        for c in range(0, total, 128):
-            step = c + gl.arange(0, 128, layout=layout)
-            mine = step < total
-            if STEP_PAIRS:
-                mine = mine & (step % 2 == WG)
-            m = m_start // BLOCK_M + step % n_m
-            if CAUSAL:
-                need = gl.minimum(m * BLOCK_M // BLOCK_N + 1, blocks) * adders
-            else:
-                need = blocks * adders
-            seen = gl.atomic_add(Count + (bh0 + step // n_m) * (L_PAD // BLOCK_M) + m, 1, mask=mine, sem="acq_rel",
-                                 scope="gpu")
-            done = gl.where(mine & (seen == need - 1), step, -1)
-            for _ in range(gl.sum((done >= 0).to(gl.int32), 0)):
-                t = gl.max(done, 0)
-                _bwd_dq_convert(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, bh0 + t // n_m,
-                                m_start // BLOCK_M + t % n_m, H, L, L_PAD, scale, HEAD_DIM, BLOCK_M, DQ_FRAG)
-                done = gl.where(done == t, -1, done)
-
-    @gluon.jit
-    def _bwd_dq_convert(DQ32, DQ, stride_b, stride_h, stride_m, stride_d, bh, m, H, L, L_PAD, scale,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DQ_FRAG: gl.constexpr):
-        """DQ[b, h, rows of query block m] = DQ32's tile * scale, in DQ's dtype and strides (DQ_FRAG: the tile in
-        ``_bwd_dq_red``'s fragment order, 64-column parts), read past the L1 (the sums were made in the L2)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-        if DQ_FRAG:  # head dim part * 64 + 16 b + 8 f1 + 2 e + f0 of row r at (r // 8, b, r % 8, e, f1, f0)
-            c = col % 64
-            offs = (gl.expand_dims(r // 8 * 512 + r % 8 * 16, 1)
-                    + gl.expand_dims(col // 64 * 4096 + c // 16 * 128 + c // 2 % 4 * 4 + c // 8 % 2 * 2 + c % 2, 0))
-            base = (bh.to(gl.int64) * (L_PAD // BLOCK_M) + m) * (BLOCK_M * HEAD_DIM)
-        else:
-            offs = gl.expand_dims(r * HEAD_DIM, 1) + gl.expand_dims(col, 0)
-            base = (bh.to(gl.int64) * L_PAD + m * BLOCK_M) * HEAD_DIM
-        x = gl.load(DQ32 + base + offs, cache_modifier=".cg")
-        rows = m * BLOCK_M + r
-        ptrs = (DQ + (bh // H).to(gl.int64) * stride_b + (bh % H).to(gl.int64) * stride_h
-                + gl.expand_dims(rows, 1) * stride_m + gl.expand_dims(col, 0) * stride_d)
-        gl.store(ptrs, (x * scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(rows < L, 1))
-
-    @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr):
         """dK (times the softmax scale) and dV of the warpgroup's keys, in the outputs' dtype and strides, through a
@@ -1892,13 +1824,13 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["deal"])
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, DQ_OUT, stride_dqb, stride_dqh, stride_dqm,
-                         stride_dqd, DqCount, H, GROUP, L, S, BH, L_PAD, deal, qk_scale, scale, cap_scale,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                         H, GROUP, L, S, BH, L_PAD, deal, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
                          PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
-                         PERSISTENT: gl.constexpr, DQ_LAST: gl.constexpr):
+                         PERSISTENT: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile of
         ``deal``): a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers. Without
         PERSISTENT, ``deal`` > 1 deals the key blocks of that many heads together (``_head_group``)."""
@@ -1933,7 +1865,6 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
         fence_async_shared()
-        dq_out = (DQ_OUT, stride_dqb, stride_dqh, stride_dqm, stride_dqd, DqCount)
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
@@ -1941,15 +1872,15 @@ if gluon is not None:
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, dq_out, H, GROUP, L, S, L_PAD, deal, qk_scale,
-                             scale, cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, DQ_LAST)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
+                             cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, dq_out, H, GROUP, L, S, L_PAD, deal, qk_scale,
-                             scale, cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, DQ_LAST)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
+                             cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
         ], [4, 4], [240, 240])
 
 
