@@ -1117,30 +1117,6 @@ def _head_group(q: torch.Tensor, S: int, is_causal: bool, intervals) -> int:
     return group if 1 < group <= HEAD_GROUP_MAX else 0
 
 
-# Not-causal tiles are alike, so a launch whose tiles are not a whole number of waves leaves SMs idle for its last
-# partial wave (traced: 2.7-3.1% of the one pass at L 4K). The last tiles past the whole waves are launched as parts
-# instead, each over a share of the tile's query blocks, its dK and dV sums stored apart and added up after the pass
-# (``_bwd_parts_sum``, in a fixed order: as repeatable as whole tiles), so that they spread over every SM.
-TAIL_PARTS_MAX = 8
-TAIL_PART_COST = 0.04  # a part's own K/V loads and dK/dV stores, in tiles (about 4 us of a 100-140 us tile)
-tail_split_enabled = False  # True: the last partial wave's tiles in parts (A/B timing)
-
-
-def _tail_split(n_tiles: int, sms: int, query_blocks: int) -> tuple[int, int]:
-    """(tiles launched as parts, parts a tile) for a program-a-tile launch of ``n_tiles`` alike tiles on ``sms``
-    SMs: the tiles past the whole waves, in the number of parts whose waves (of parts, each a ``parts``-th of a tile
-    plus ``TAIL_PART_COST``) take the least time, if less than the whole wave they would take; else (0, 1)."""
-    tail = n_tiles % sms
-    if not tail_split_enabled or tail == 0:
-        return 0, 1
-    best, parts = 1.0, 1
-    for p in range(2, min(TAIL_PARTS_MAX, query_blocks) + 1):
-        cost = cdiv(tail * p, sms) * (1 / p + TAIL_PART_COST)
-        if cost < best:
-            best, parts = cost, p
-    return (tail, parts) if parts > 1 else (0, 1)
-
-
 def one_pass_applies(q: torch.Tensor, k: torch.Tensor, softcap: bool) -> bool:
     """Whether a backward that ``backward_passes`` admits runs in one pass: D 128 (not soft-capped: the cap's tanh
     tile spills registers there, 0.95x the two passes on an H200), or D 64 from ONE_PASS_D64_MIN_KEYS keys, and
@@ -1196,24 +1172,15 @@ def attention_backward(q, k, v, grad_out, stats, dq32, is_causal: bool, qk_scale
     persistent = not with_dq and pairs and (D, is_causal) in WS_DKDV_PERSISTENT
     grid = (min(n_tiles, _sm_count(q.device.index)),) if persistent else (cdiv(S, block_n), B * H_kv)
     deal = n_tiles if persistent else _head_group(q, S, is_causal, intervals)
-    tail, parts = ((0, 1) if persistent or is_causal or intervals is not None
-                   else _tail_split(n_tiles, _sm_count(q.device.index), cdiv(L, block_m)))
-    if tail:
-        grid = (n_tiles - tail + tail * parts,)
-        dkv_parts = torch.empty((tail * parts, 2, block_n, D), dtype=torch.float32, device=q.device)
     launch(_attn_bwd_hopper, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(grad_out, block_m),
         dq_desc, stats_desc, dq32 if with_dq else stats, dk, dv, row_lo, row_hi, col_lo, col_hi, *dk.stride(),
-        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, deal, n_tiles - tail, parts, dkv_parts if tail else stats,
-        qk_scale, scale, cap_scale, HEAD_DIM=D,
+        *dv.stride(), H, H // H_kv, L, S, B * H, l_pad, deal, qk_scale, scale, cap_scale, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=is_causal, INTERVALS=intervals is not None, SOFTCAP=cap_scale > 0.0,
         DS_LAYOUT=_ds_layout(block_n, block_m, q.dtype), STAGES=stages, STEP_PAIRS=pairs, DQ=with_dq, OWN_DQ=own_dq,
         PIPELINED=not with_dq and not pairs and D in WS_DKDV_PIPELINED, DQ_FRAG=frag, EARLY=not with_dq,
-        PERSISTENT=persistent, SPLIT=tail > 0, num_warps=4,
+        PERSISTENT=persistent, num_warps=4,
     )
-    if tail:
-        launch(_bwd_parts_sum, (tail, 2), dkv_parts, dk, dv, *dk.stride(), *dv.stride(), n_tiles - tail,
-               cdiv(S, block_n), H_kv, S, parts, scale, HEAD_DIM=D, BLOCK_N=block_n)
     if with_dq:
         _dq_scale(dq32, dq, scale, frag)
 
@@ -1268,33 +1235,6 @@ if gluon is not None:
                 + offs_d[None, :] * stride_d)
         tl.store(ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
-    @triton.jit
-    def _bwd_parts_sum(Parts, DK, DV, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
-                       stride_vd, n_whole, n_blocks, H_KV, S, parts, scale, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        """dK (times ``scale``; program_id(1) 0) or dV (1) of tile n_whole + program_id(0): the sum of its parts'
-        (``_tail_split``), in order, in the output's dtype and strides."""
-        t = tl.program_id(0)
-        which = tl.program_id(1)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
-        src = Parts + which * BLOCK_N * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-        for p in range(parts):
-            acc += tl.load(src + (t * parts + p).to(tl.int64) * (2 * BLOCK_N * HEAD_DIM))
-        tile = n_whole + t
-        keys = (tile % n_blocks) * BLOCK_N + offs_n
-        bhk = tile // n_blocks
-        rows = keys[:, None] < S
-        if which == 0:
-            ptrs = (DK + (bhk // H_KV).to(tl.int64) * stride_kb + (bhk % H_KV).to(tl.int64) * stride_kh
-                    + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-            tl.store(ptrs, (acc * scale).to(DK.dtype.element_ty), mask=rows)
-        else:
-            ptrs = (DV + (bhk // H_KV).to(tl.int64) * stride_vb + (bhk % H_KV).to(tl.int64) * stride_vh
-                    + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-            tl.store(ptrs, acc.to(DV.dtype.element_ty), mask=rows)
-
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
         """dst[coord...] += src by the TMA (Triton 3.6 builds the op; Gluon has no Python name for it yet)."""
@@ -1302,28 +1242,18 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
-        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps, part) of the
+    def _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+        """(key block's first key, batch, key head, query blocks per head, first query block's row, steps) of the
         program's tile (PERSISTENT: of ``tile``, the key blocks of each batch and key head in turn; otherwise of the
         program, the key blocks of each batch and key head in turn, or with ``tile`` > 1, ``_head_group``'s dealing:
         the first key block of each of ``tile`` heads, then their second, ..., group by group): a key block meets the
         query blocks of each of the GROUP query heads sharing its key head (causal: from the block holding its first
-        key on; INTERVALS: the blocks its keys' query intervals reach). SPLIT (``_tail_split``; not causal, no
-        intervals; a 1-D launch): the first ``split[0]`` programs a tile each, the key blocks of each batch and key
-        head in turn, then ``split[1]`` programs for each of the last tiles, each over a part of its query blocks;
-        part: the index of such a program among them, negative for whole tiles."""
-        part = -1
+        key on; INTERVALS: the blocks its keys' query intervals reach)."""
         if PERSISTENT:
             n_blocks = gl.cdiv(S, BLOCK_N)
             n0 = (tile % n_blocks) * BLOCK_N
             bhk = tile // n_blocks
-        elif SPLIT:
-            n_blocks = gl.cdiv(S, BLOCK_N)
-            part = gl.program_id(0) - split[0]
-            t = gl.minimum(gl.program_id(0), split[0]) + gl.maximum(part, 0) // split[1]
-            n0 = (t % n_blocks) * BLOCK_N
-            bhk = t // n_blocks
         else:
             n0 = gl.program_id(0) * BLOCK_N
             bhk = gl.program_id(1)
@@ -1345,19 +1275,13 @@ if gluon is not None:
             else:
                 m_start = 0
             n_m = gl.maximum(gl.cdiv(L - m_start, BLOCK_M), 0)
-        if SPLIT:  # a part's query blocks (whole tiles: all of them)
-            parts = gl.where(part >= 0, split[1], 1)
-            k = gl.maximum(part, 0) % parts
-            lo = n_m * k // parts
-            m_start += lo * BLOCK_M
-            n_m = n_m * (k + 1) // parts - lo
-        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m, part
+        return n0, bhk // H_KV, bhk % H_KV, n_m, m_start, GROUP * n_m
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                      BH, deal, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
+                      BH, deal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         """The tile's loads, or (PERSISTENT) every num_programs-th tile's, each tile's K and V once both consumers are
         done with the last tile's, ring positions and phases counted across the tiles."""
         if PERSISTENT:
@@ -1367,24 +1291,23 @@ if gluon is not None:
                 mbarrier.wait(kv_empty, phase=(j & 1) ^ 1, pred=j > 0)
                 steps += _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem,
                                            v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, do_full, do_empty,
-                                           ColLo, ColHi, H, GROUP, L, S, BH, tile, steps, split, BLOCK_M, BLOCK_N,
-                                           CAUSAL, INTERVALS, STAGES, PERSISTENT, SPLIT)
+                                           ColLo, ColHi, H, GROUP, L, S, BH, tile, steps, BLOCK_M, BLOCK_N, CAUSAL,
+                                           INTERVALS, STAGES, PERSISTENT)
                 j += 1
         else:
             _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S,
-                              BH, deal, 0, split, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT, SPLIT)
+                              BH, deal, 0, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)
 
     @gluon.jit
     def _bwd_produce_tile(q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                           delta_smem, kv_bar, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H, GROUP, L, S, BH,
-                          tile, steps, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                          INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                          SPLIT: gl.constexpr):
+                          tile, steps, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                          INTERVALS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         """K and V once, then each step's Q with its logsumexp and dO with its delta into STAGES-deep rings (the
         tile's steps after ``steps`` others), a slot refilled once both consumers released it; returns the steps."""
-        n0, b, hk, n_m, m_start, total, _ = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, split, BLOCK_M, BLOCK_N,
-                                                         CAUSAL, INTERVALS, PERSISTENT, SPLIT)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS, PERSISTENT)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
@@ -1409,11 +1332,11 @@ if gluon is not None:
     def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                       kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                       ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                      stride_dvd, H, GROUP, L, S, L_PAD, deal, split, qk_scale, scale, cap_scale,
-                      WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                      STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                      DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
+                      stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale, cap_scale, WG: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr,
+                      DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr,
+                      EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """The program's tile, or (PERSISTENT: step pairs without dQ) every num_programs-th tile, each tile's K and V
         released to the producer once its last product has run, ring positions and phases counted across the
         tiles."""
@@ -1426,28 +1349,27 @@ if gluon is not None:
                                            dq_desc, DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty,
                                            ds_ready, DK, DV, RowLo, RowHi, ColLo, ColHi, stride_dkb, stride_dkh,
                                            stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H,
-                                           GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, split,
-                                           WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                                           STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SPLIT)
+                                           GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, WG,
+                                           HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
+                                           DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
                 j += 1
         else:
             _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                               kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi,
                               ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                               stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, deal, 0, 0,
-                              split, WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS,
-                              DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SPLIT)
+                              WG, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES, STEP_PAIRS, DQ,
+                              OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)
 
     @gluon.jit
     def _bwd_consume_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc, DQ32,
                           kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo, RowHi, ColLo,
                           ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                          stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps, split,
+                          stride_dvd, H, GROUP, L, S, L_PAD, qk_scale, scale, cap_scale, tile, j, steps,
                           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                           STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr, PIPELINED: gl.constexpr,
-                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr,
-                          SPLIT: gl.constexpr):
+                          DQ_FRAG: gl.constexpr, EARLY: gl.constexpr, PERSISTENT: gl.constexpr):
         """Warpgroup WG's 64 keys: dK and dV in registers over every step, and (DQ) its share of the steps' dQ_part
         (half the head dims of each step over both warpgroups' keys; OWN_DQ: every head dim of each step over its own
         keys; STEP_PAIRS: every head dim of every other step over both's), a step an iteration or (STEP_PAIRS) two.
@@ -1464,8 +1386,8 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        n0, b, hk, n_m, m_start, total, part = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, split, BLOCK_M,
-                                                            BLOCK_N, CAUSAL, INTERVALS, PERSISTENT, SPLIT)
+        n0, b, hk, n_m, m_start, total = _bwd_program(ColLo, ColHi, H, GROUP, L, S, tile, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      INTERVALS, PERSISTENT)
         keys0 = n0 + WG * KEYS
         offs_n = keys0 + gl.arange(0, KEYS, layout=row_s)
         if INTERVALS:  # [seen_lo, seen_hi]: the rows all this warpgroup's keys are seen by (steps within: no mask)
@@ -1509,15 +1431,8 @@ if gluon is not None:
         if PERSISTENT:  # every product reading K and V was waited for: the next tile's may come
             mbarrier.arrive(kv_empty)
         tma.store_wait(0)
-        if SPLIT:
-            if part >= 0:  # a part of a tile: its dK and dV sums, added up by _bwd_parts_sum
-                _bwd_store_part(dk, dv, split[2], part, WG, BLOCK_N, KEYS, HEAD_DIM)
-            else:
-                _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn,
-                                stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
-        else:
-            _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                            stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
+        _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                        stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS, HEAD_DIM)
         return total
 
     @gluon.jit
@@ -1890,17 +1805,6 @@ if gluon is not None:
         gl.atomic_add(ptrs, dq_p, sem="relaxed")
 
     @gluon.jit
-    def _bwd_store_part(dk, dv, Parts, part, WG: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
-                        HEAD_DIM: gl.constexpr):
-        """The warpgroup's fp32 dK and dV sums over a part's query blocks into Parts[part] (2, BLOCK_N, HEAD_DIM)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [512 // HEAD_DIM, HEAD_DIM // 16], [4, 1], [1, 0])
-        offs = (gl.expand_dims(WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, layout)), 1) * HEAD_DIM
-                + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0))
-        base = Parts + part.to(gl.int64) * (2 * BLOCK_N * HEAD_DIM)
-        gl.store(base + offs, gl.convert_layout(dk, layout))
-        gl.store(base + BLOCK_N * HEAD_DIM + offs, gl.convert_layout(dv, layout))
-
-    @gluon.jit
     def _bwd_store_dkdv(dk, dv, DK, DV, b, hk, keys0, S, scale, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr):
         """dK (times the softmax scale) and dV of the warpgroup's keys, in the outputs' dtype and strides, through a
@@ -1917,16 +1821,16 @@ if gluon is not None:
                    + gl.expand_dims(offs_n, 1) * stride_dvn + gl.expand_dims(offs_d, 0) * stride_dvd)
         gl.store(dv_ptrs, gl.convert_layout(dv.to(DV.dtype.element_ty), layout), mask=rows)
 
-    @gluon.jit(do_not_specialize=["deal", "n_whole", "parts"])
+    @gluon.jit(do_not_specialize=["deal"])
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DQ32, DK, DV, RowLo, RowHi, ColLo,
                          ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                         H, GROUP, L, S, BH, L_PAD, deal, n_whole, parts, Parts, qk_scale, scale, cap_scale,
+                         H, GROUP, L, S, BH, L_PAD, deal, qk_scale, scale, cap_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          INTERVALS: gl.constexpr, SOFTCAP: gl.constexpr, DS_LAYOUT: gl.constexpr,
                          STAGES: gl.constexpr, STEP_PAIRS: gl.constexpr, DQ: gl.constexpr, OWN_DQ: gl.constexpr,
                          PIPELINED: gl.constexpr, DQ_FRAG: gl.constexpr, EARLY: gl.constexpr,
-                         PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
+                         PERSISTENT: gl.constexpr):
         """One key block's dK, dV and (DQ) its parts of dQ (PERSISTENT: the key blocks of every num_programs-th tile of
         ``deal``): a producer warpgroup (this program's 4 warps) and two consumer warpgroups with its registers. Without
         PERSISTENT, ``deal`` > 1 deals the key blocks of that many heads together (``_head_group``)."""
@@ -1961,24 +1865,22 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
         fence_async_shared()
-        split = (n_whole, parts, Parts)
         gl.warp_specialize([
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                              delta_smem, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ColLo, ColHi, H,
-                             GROUP, L, S, BH, deal, split, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT,
-                             SPLIT)),
+                             GROUP, L, S, BH, deal, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, STAGES, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, split, qk_scale,
-                             scale, cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SPLIT)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
+                             cap_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_desc,
                              DQ32, kv_bar, kv_empty, q_full, q_empty, do_full, do_empty, ds_ready, DK, DV, RowLo,
                              RowHi, ColLo, ColHi, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
-                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, split, qk_scale,
-                             scale, cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
-                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT, SPLIT)),
+                             stride_dvh, stride_dvn, stride_dvd, H, GROUP, L, S, L_PAD, deal, qk_scale, scale,
+                             cap_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, SOFTCAP, STAGES,
+                             STEP_PAIRS, DQ, OWN_DQ, PIPELINED, DQ_FRAG, EARLY, PERSISTENT)),
         ], [4, 4], [240, 240])
 
 
