@@ -269,10 +269,19 @@ if gluon is not None:
         longest rows of the whole group first. One head's tiles together (BH_GROUP = 1) left the longest tiles of
         the last heads to the last wave; all heads' longest first (no groups) ran SMs on as many heads as they hold
         tiles, each streaming its own K/V (0.73-1.01x the first at D128, L 2K-16K; CAUSAL_HEAD_GROUP's)."""
-        group = t // (BH_GROUP * num_m)
-        r = t % (BH_GROUP * num_m)
-        heads = gl.minimum(BH_GROUP, num_bh - group * BH_GROUP)
-        return group * BH_GROUP + r % heads, num_m - 1 - r // heads
+        bh, rank = _head_group_order(t, num_m, num_bh, BH_GROUP)
+        return bh, num_m - 1 - rank
+
+    @gluon.jit
+    def _head_group_order(t, blocks, num_bh, group):
+        """(head, rank) of tile t where tiles go out ``group`` heads at a time (fewer in the last group), rank by
+        rank: rank 0 of each of the group's heads, then rank 1, ... (``blocks`` ranks a head). The forwards' causal
+        tiles rank longest rows first (``_causal_order``), the backward's causal key blocks first keys first
+        (``_bwd_program``, ``group`` a runtime value there)."""
+        g = t // (group * blocks)
+        r = t % (group * blocks)
+        heads = gl.minimum(group, num_bh - g * group)
+        return g * group + r % heads, r // heads
 
     @gluon.jit
     def _query_block(RowLo, RowHi, H, GROUP, L, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -1098,11 +1107,11 @@ ws_dkdv_enabled = True  # False: the one-warpgroup dK/dV pass (A/B timing)
 # blocks in turn, head by head: on causal calls the last heads' longest key blocks then start in the last wave and the
 # SMs that finish first idle (each program traced on an H200: 6.2% of the SMs' time at D128 L 2K and 4K, 3.2% at D64,
 # 0.5% at 16K). Dealt instead G heads at a time, the first key block of each, then their second, ... (the longest first,
-# as ``_causal_order`` deals the forwards' query blocks, G a runtime value here), with G about a wave of programs over a
-# head's key blocks (4 at L 4K, 2 at 8K), that idle is 0.5-0.9% and forward+backward gains: D128 L 4K / 8K 1.020-1.026x
-# / 1.038x (deterministic 1.047x / 1.014x), D64 L 4K 1.009-1.024x (H200, best of 3 shuffled rounds). At L 2K and below
-# (G 8 and 16, more heads at once) not: D128 2K 0.990-1.007x, D64 2K 0.996-1.024x, D128 1K 0.81x; so G stays within
-# HEAD_GROUP_MAX.
+# by ``_head_group_order`` as the forwards' query blocks, G a runtime value here), with G about a wave of programs over
+# a head's key blocks (4 at L 4K, 2 at 8K), that idle is 0.5-0.9% and forward+backward gains: D128 L 4K / 8K
+# 1.020-1.026x / 1.038x (deterministic 1.047x / 1.014x), D64 L 4K 1.009-1.024x (H200, best of 3 shuffled rounds). At L
+# 2K and below (G 8 and 16, more heads at once) not: D128 2K 0.990-1.007x, D64 2K 0.996-1.024x, D128 1K 0.81x; so G
+# stays within HEAD_GROUP_MAX.
 HEAD_GROUP_MAX = 4
 head_groups_enabled = True  # False: head by head (A/B timing)
 
@@ -1258,13 +1267,9 @@ if gluon is not None:
             n0 = gl.program_id(0) * BLOCK_N
             bhk = gl.program_id(1)
             if tile > 1:  # the key blocks of groups of ``tile`` heads, key block by key block
-                n_kb = gl.num_programs(0)
-                pid = gl.program_id(0) + gl.program_id(1) * n_kb
-                group = pid // (tile * n_kb)
-                size = gl.minimum(tile, gl.num_programs(1) - group * tile)
-                r = pid - group * tile * n_kb
-                n0 = (r // size) * BLOCK_N
-                bhk = group * tile + r % size
+                bhk, block = _head_group_order(gl.program_id(0) + gl.program_id(1) * gl.num_programs(0),
+                                               gl.num_programs(0), gl.num_programs(1), tile)
+                n0 = block * BLOCK_N
         H_KV = H // GROUP
         if INTERVALS:
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
